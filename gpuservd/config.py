@@ -1,0 +1,137 @@
+"""Engine configuration: dataclasses with defaults, loaded from YAML and validated.
+
+The same file is read by `gpuserv bench --config`, `gpuserv generate` and (with
+more sections) the daemon, so scheduling settings can be compared on a
+workload before they go live. Unknown keys are errors, not ignored: a typo in
+a config file should never silently run the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuservd.errors import UserError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+          "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_bytes(value, where: str) -> int:
+    """An int, or a string like '2GiB' / '512MB', as bytes."""
+    if isinstance(value, bool):
+        raise UserError(f"{where}: expected a size like 2GiB, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise UserError(f"{where}: expected a size like 2GiB or 512MB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch formation limits; prefill and decode are limited separately (S9)."""
+
+    policy: str = "fcfs"  # see engine.policy.Policy
+    max_num_seqs: int = 64  # running sequences (the decode batch) at most
+    max_num_batched_tokens: int = 512  # tokens per step, prefill + decode
+    max_prefill_tokens: int = 256  # prefill tokens per step (the chunk budget)
+    max_num_prefill_seqs: int = 8  # sequences that may prefill in one step
+
+
+@dataclass
+class EngineConfig:
+    """One model's engine on one device."""
+
+    model: str = "smollm2"  # name in the model store
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    block_size: int = 16  # tokens per KV block
+    device_memory_bytes: int = 8 * 1024**3  # the device tier's budget (RAM on the CPU)
+    kv_cache_bytes: int | None = None  # KV pool size; None = kv_cache_fraction of what weights leave
+    kv_cache_fraction: float = 0.5  # of device_memory_bytes minus weights
+    max_model_len: int | None = None  # context limit; None = the model's (and its sliding window)
+    telemetry_ring_size: int = 4096  # per-step records kept in memory
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise UserError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise UserError(f"engine.device must be cpu or cuda:N, got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UserError(f"engine.block_size must be a power of two, got {self.block_size}")
+        if not (0.0 < self.kv_cache_fraction <= 1.0):
+            raise UserError(f"engine.kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        s = self.scheduler
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens", "max_num_prefill_seqs"):
+            if getattr(s, name) < 1:
+                raise UserError(f"scheduler.{name} must be >= 1, got {getattr(s, name)}")
+        if s.max_num_batched_tokens < s.max_num_seqs:
+            raise UserError(
+                f"scheduler.max_num_batched_tokens ({s.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({s.max_num_seqs}) so every running sequence can decode each step"
+            )
+        from gpuservd.engine.policy import Policy
+
+        Policy.parse(s.policy)
+
+
+def _fill(obj, data: dict, where: str, path: str):
+    """Set dataclass fields from a dict, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: {path or 'top level'} must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        if key not in fields:
+            raise UserError(f"{where}: unknown key {path}{key!r}; known: {', '.join(sorted(fields))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _fill(current, value, where, f"{path}{key}.")
+        elif key.endswith("_bytes") and value is not None:
+            setattr(obj, key, parse_bytes(value, f"{where}: {path}{key}"))
+        else:
+            expected = type(current) if current is not None else None
+            if expected in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise UserError(f"{where}: {path}{key} must be a number, got {value!r}")
+            if expected is str and not isinstance(value, str):
+                raise UserError(f"{where}: {path}{key} must be a string, got {value!r}")
+            setattr(obj, key, int(value) if expected is int else value)
+
+
+def config_from_dict(data: dict, where: str = "config") -> EngineConfig:
+    """Build an EngineConfig from {'engine': {...}, 'scheduler': {...}} (other sections are for the daemon)."""
+    cfg = EngineConfig()
+    data = data or {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: the top level must be a mapping with an 'engine:' section")
+    engine = dict(data.get("engine") or {})
+    if "scheduler" in data:
+        engine["scheduler"] = data["scheduler"]
+    _fill(cfg, engine, where, "engine." if "engine" in data else "")
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: Path | str | None) -> EngineConfig:
+    """Read an engine config YAML file; None gives the defaults."""
+    if path is None:
+        cfg = EngineConfig()
+        cfg.validate()
+        return cfg
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file {p} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return config_from_dict(data, where=str(p))

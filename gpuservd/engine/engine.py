@@ -1,0 +1,229 @@
+"""The engine: step() = schedule -> execute -> update, for one model on one device.
+
+It does no I/O and never sleeps; the CLI, the bench and the daemon drive it by
+calling step() in a loop. Everything a step decided is in the SchedulerOutput,
+and everything it cost is one StepRecord in the telemetry ring.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from gpuservd.config import EngineConfig
+from gpuservd.engine import detokenizer
+from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
+from gpuservd.engine.sampler import sample
+from gpuservd.engine.scheduler import Scheduler, SchedulerOutput
+from gpuservd.engine.telemetry import StepRecord, Telemetry
+from gpuservd.errors import UserError
+from gpuservd.runner.batch import SeqChunk
+from gpuservd.runner.model_runner import ModelRunner
+
+
+class LLMEngine:
+    """Continuous-batching engine for one model."""
+
+    def __init__(self, model_name: str, model_dir: Path, config: EngineConfig, tokenizer=None):
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.name = model_name
+        self.config = config
+        self.runner = ModelRunner(
+            model_dir,
+            dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            kv_cache_bytes=config.kv_cache_bytes,
+            device_memory_bytes=config.device_memory_bytes,
+            kv_cache_fraction=config.kv_cache_fraction,
+            max_model_len=config.max_model_len,
+        )
+        if tokenizer is None:
+            from gpuservd.engine.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = tokenizer
+        eos = set(self.runner.arch.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.pool = self.runner.cache.pool
+        self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size)
+        self.telemetry = Telemetry(config.telemetry_ring_size)
+        self.requests: dict[str, Request] = {}
+
+    @classmethod
+    def from_store(cls, model_name: str, config: EngineConfig | None = None, store=None) -> "LLMEngine":
+        from gpuservd.store.store import ModelStore
+
+        config = config or EngineConfig(model=model_name)
+        store = store or ModelStore()
+        return cls(model_name, store.path(model_name), config)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # -- requests ---------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str = "default",
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request; raises UserError for anything that could never be served."""
+        params.validate()
+        if request_id in self.requests:
+            raise UserError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n < 1:
+            raise UserError("the prompt is empty")
+        vocab = self.runner.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise UserError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds the context length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        need = -(-(n + params.max_tokens) // self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise UserError(
+                f"the request needs {need} KV blocks but the pool has {self.pool.num_blocks}; "
+                "lower max_tokens or raise engine.kv_cache_bytes"
+            )
+        req = Request(request_id, list(prompt_token_ids), params, priority=priority, tenant=tenant)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        if params.detokenize:
+            detokenizer.start(req)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its KV blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        self._finish(req, RequestState.FINISHED_ABORTED, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        forward_s = 0.0
+        outputs: list[RequestOutput] = []
+        if not sched.empty:
+            chunks = [
+                SeqChunk(
+                    c.request.all_token_ids[c.start_pos : c.start_pos + c.num_tokens],
+                    c.start_pos,
+                    c.request.block_ids,
+                    c.sample,
+                )
+                for c in sched.chunks
+            ]
+            t1 = time.perf_counter()
+            logits = self.runner.execute(chunks)
+            forward_s = time.perf_counter() - t1
+            outputs = self._update(sched, logits)
+        t2 = time.perf_counter()
+        self.telemetry.record(
+            StepRecord(
+                step_id=sched.step_id,
+                model=self.name,
+                t=time.time(),
+                wall_s=t2 - t0,
+                forward_s=forward_s,
+                sample_s=max(0.0, t2 - t0 - forward_s - sched.decision_s),
+                decision_s=sched.decision_s,
+                num_prefill_tokens=sched.num_prefill_tokens,
+                num_decode_tokens=sched.num_decode_tokens,
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_blocks_used=self.pool.num_used,
+                kv_blocks_total=self.pool.num_blocks,
+                num_preempted=len(sched.preempted_ids),
+                num_finished=sum(o.finished for o in outputs),
+            )
+        )
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        sampling = [c.request for c in sched.chunks if c.sample]
+        for c in sched.chunks:
+            c.request.num_computed_tokens += c.num_tokens
+        tokens = sample(logits, sampling) if sampling else []
+        now = time.monotonic()
+        outputs = []
+        for req, tok in zip(sampling, tokens):
+            req.output_token_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.scheduler.remove(req)
+                self.requests.pop(req.request_id, None)
+                state = RequestState.FINISHED_STOPPED if reason is FinishReason.STOP else RequestState.FINISHED_LENGTH
+                outputs.append(self._finish(req, state, reason, tok))
+            else:
+                outputs.append(self._output(req, [tok]))
+        return outputs
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        stopped = (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        if p.detokenize and not stopped:
+            stopped = detokenizer.step(self.tokenizer, req, tok) is not None
+        if stopped:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, state: RequestState, reason: FinishReason, tok: int | None = None):
+        req.state = state
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        return self._output(req, [tok] if tok is not None else [])
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        finished = req.state.is_finished
+        text = detokenizer.take_new_text(req, finished) if req.params.detokenize else ""
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finish_time=req.finish_time,
+        )
+
+    # -- offline convenience ---------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion together; returns the output token ids per prompt."""
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, SamplingParams(**vars(params)))
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]

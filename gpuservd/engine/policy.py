@@ -1,0 +1,35 @@
+"""Scheduling policies: an Enum with a factory for the waiting-queue order.
+
+The preemption issue adds victim policies next to these; the scheduler only
+asks a policy for an ordering key, so a policy never touches KV or batches.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+from gpuservd.engine.request import Request
+from gpuservd.errors import UserError
+
+
+class Policy(str, enum.Enum):
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # higher priority first, then arrival
+
+    @classmethod
+    def parse(cls, name: str) -> "Policy":
+        try:
+            return cls(name)
+        except ValueError:
+            choices = ", ".join(p.value for p in cls)
+            raise UserError(f"scheduler.policy {name!r} is unknown; choose one of: {choices}") from None
+
+
+def queue_key(policy: Policy) -> Callable[[Request], tuple]:
+    """The sort key of the waiting queue under a policy (smaller runs first)."""
+    if policy is Policy.FCFS:
+        return lambda r: (r.arrival_time,)
+    if policy is Policy.PRIORITY:
+        return lambda r: (-r.priority, r.arrival_time)
+    raise ValueError(f"no queue order for policy {policy}")

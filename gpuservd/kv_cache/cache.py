@@ -1,0 +1,69 @@
+"""The KV cache tensors, sized from a byte budget.
+
+Layout per layer: k, v = [num_blocks, kv_heads, block_size, head_dim]. Keeping
+kv_heads before block_size makes a gathered block set directly usable as the
+right-hand side of a batched matmul (no copy to transpose), and keeps one
+layer's blocks contiguous so a partial-layer swap moves whole slabs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpuservd.kv_cache.block_pool import BlockPool
+from gpuservd.runner.model_config import ModelArch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one block holds and what it costs."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int  # tokens per block
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of block_size tokens across all layers."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+
+def cache_shape(arch: ModelArch, block_size: int, dtype: torch.dtype) -> CacheShape:
+    return CacheShape(arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
+
+
+class KVCache:
+    """Device KV storage plus the block pool that hands out its blocks."""
+
+    def __init__(self, shape: CacheShape, num_blocks: int, device: torch.device):
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.pool = BlockPool(num_blocks)
+        # kv: [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
+        self.kv = torch.zeros(
+            (shape.num_layers, 2, num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim),
+            dtype=shape.dtype,
+            device=device,
+        )
+
+    @classmethod
+    def from_budget(cls, shape: CacheShape, budget_bytes: int, device: torch.device) -> "KVCache":
+        num_blocks = budget_bytes // shape.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={budget_bytes} holds no block (one block needs {shape.bytes_per_block} bytes)"
+            )
+        return cls(shape, int(num_blocks), device)
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.shape.bytes_per_block
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each [num_blocks, kv_heads, block_size, head_dim]."""
+        return self.kv[layer, 0], self.kv[layer, 1]

@@ -1,0 +1,144 @@
+"""One forward pass's flat batch: many sequences, prefill chunks and decode tokens mixed.
+
+Tokens of all sequences are concatenated (no padding of the token batch).
+Single-token chunks (decode) go first. Decode attention runs in groups of
+sequences of similar context length: each group is one batched matmul over
+its block tables padded to the group's longest context. Groups are cut so that
+padding adds at most `MAX_PAD_WASTE` to the attention work: one batched op per
+group is far cheaper on a CPU than one tiny op per block or per sequence,
+and the bound keeps a single long sequence from inflating everyone's work.
+Each prefill chunk attends on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_PAD_WASTE = 0.25  # padded context slots / real context tokens, per decode group
+PAD_SLACK_TOKENS = 64  # sequences within this many tokens of the group's longest always join it
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's slice of a forward pass."""
+
+    token_ids: list[int]  # tokens fed this step (a prefill chunk, or the last sampled token)
+    start_pos: int  # absolute position of token_ids[0]; KV for [0, start_pos) is already cached
+    block_ids: list[int]  # block table covering positions [0, start_pos + len(token_ids))
+    sample: bool  # whether logits of the chunk's last token are needed
+
+
+@dataclass
+class PrefillMeta:
+    """Attention metadata of one multi-token chunk."""
+
+    q_start: int  # offset of the chunk in the flat token batch
+    q_len: int  # tokens in the chunk
+    ctx_len: int  # cached tokens before the chunk + q_len
+    block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] block table
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences attended together; b = sequences, nblk = the longest one's blocks."""
+
+    rows: torch.Tensor  # [b] rows of these sequences in the flat token batch
+    block_table: torch.Tensor  # [b, nblk] block ids, padded with block 0
+    mask: torch.Tensor  # [b, nblk * block_size] bool: position holds a real token
+
+
+@dataclass
+class ForwardBatch:
+    """Flat tensors for one forward; T = total tokens, NB = decode blocks."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_blocks: torch.Tensor  # [T] block id where each token's K/V is written
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    num_decode: int  # the first num_decode tokens are one-token chunks, one per sequence
+    decode_groups: list[DecodeGroup]  # the decode sequences, grouped by context length
+    prefills: list[PrefillMeta]  # one per multi-token chunk
+    logits_indices: torch.Tensor  # [S] token rows whose logits are returned, in input chunk order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def group_decodes(ctx_lens: list[int]) -> list[list[int]]:
+    """Split decode sequences (by index) into groups of similar context length."""
+    order = sorted(range(len(ctx_lens)), key=lambda i: -ctx_lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            g = groups[-1]
+            longest = ctx_lens[g[0]]
+            real = sum(ctx_lens[j] for j in g) + ctx_lens[i]
+            padded = longest * (len(g) + 1)
+            if longest - ctx_lens[i] <= PAD_SLACK_TOKENS or padded <= (1 + MAX_PAD_WASTE) * real:
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
+    """Lay out chunks as a flat batch (decode chunks first) and compute all indices."""
+    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+    ids: list[int] = []
+    pos: list[int] = []
+    s_blk: list[int] = []
+    s_off: list[int] = []
+    dec_ctx: list[int] = []  # context length of each decode sequence
+    dec_tables: list[list[int]] = []
+    prefills: list[PrefillMeta] = []
+    last_row = [0] * len(chunks)
+    for i in order:
+        c = chunks[i]
+        n = len(c.token_ids)
+        if n == 0:
+            raise ValueError("empty chunk")
+        ctx = c.start_pos + n
+        need = -(-ctx // block_size)
+        if len(c.block_ids) < need:
+            raise ValueError(f"chunk needs {need} blocks for {ctx} tokens, has {len(c.block_ids)}")
+        q_start = len(ids)
+        ids.extend(c.token_ids)
+        for p in range(c.start_pos, ctx):
+            pos.append(p)
+            s_blk.append(c.block_ids[p // block_size])
+            s_off.append(p % block_size)
+        last_row[i] = q_start + n - 1
+        if n == 1:
+            dec_ctx.append(ctx)
+            dec_tables.append(c.block_ids[:need])
+        else:
+            prefills.append(PrefillMeta(q_start, n, ctx, torch.tensor(c.block_ids[:need], device=device)))
+    groups = []
+    for members in group_decodes(dec_ctx):
+        nblk = len(dec_tables[members[0]])
+        members = sorted(members)  # ascending rows: a single group is then the identity order
+        table = [dec_tables[j] + [0] * (nblk - len(dec_tables[j])) for j in members]
+        lens = torch.tensor([dec_ctx[j] for j in members])
+        mask = torch.arange(nblk * block_size)[None, :] < lens[:, None]
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor(members, dtype=torch.long, device=device),
+                block_table=torch.tensor(table, dtype=torch.long, device=device),
+                mask=mask.to(device),
+            )
+        )
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        slot_blocks=torch.tensor(s_blk, dtype=torch.long, device=device),
+        slot_offsets=torch.tensor(s_off, dtype=torch.long, device=device),
+        num_decode=len(dec_ctx),
+        decode_groups=groups,
+        prefills=prefills,
+        logits_indices=torch.tensor(
+            [last_row[i] for i in range(len(chunks)) if chunks[i].sample], dtype=torch.long, device=device
+        ),
+    )

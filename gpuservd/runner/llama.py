@@ -1,0 +1,73 @@
+"""The Llama-family forward pass over a paged KV cache, layer by layer.
+
+This is the only place that runs model math. `forward()` takes a flat batch
+(see batch.py) and returns logits only for the rows that sample, so prefill
+chunks do not pay for the LM head on every token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpuservd.runner.attention import paged_attention
+from gpuservd.runner.batch import ForwardBatch
+from gpuservd.runner.model_config import ModelArch
+from gpuservd.runner.rope import RopeTables
+from gpuservd.runner.weights import LayerWeights, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: statistics in fp32, scale in the weight dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights + rope tables + the per-layer math. Holds no KV; the cache is passed in."""
+
+    def __init__(self, arch: ModelArch, weights: ModelWeights, max_len: int, dtype: torch.dtype, device):
+        self.arch = arch
+        self.weights = weights
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rope = RopeTables(arch, max_len, dtype, self.device)
+        self.scale = arch.head_dim ** -0.5
+        self._q_size = arch.num_heads * arch.head_dim
+        self._kv_size = arch.num_kv_heads * arch.head_dim
+
+    def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch):
+        """One decoder layer on hidden states h [T, D]; returns the new h [T, D]."""
+        a = self.arch
+        lw: LayerWeights = self.weights.layers[i]
+        x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, (H + 2 KVH) * hd]
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        t = h.shape[0]
+        q = self.rope.apply(q.view(t, a.num_heads, a.head_dim), batch.positions)
+        k = self.rope.apply(k.view(t, a.num_kv_heads, a.head_dim), batch.positions)
+        v = v.view(t, a.num_kv_heads, a.head_dim)
+        attn = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, H, hd]
+        h = h + F.linear(attn.reshape(t, self._q_size), lw.o_proj)
+        x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
+        gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)  # [T, I] each
+        return h + F.linear(F.silu(gate) * up, lw.down)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.weights.embed.index_select(0, batch.input_ids)  # [T, D]
+
+    def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits [S, V] for the rows in batch.logits_indices."""
+        x = rms_norm(h.index_select(0, batch.logits_indices), self.weights.final_norm, self.arch.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_layers) -> torch.Tensor:
+        """Run every layer; kv_layers(i) gives layer i's (k_cache, v_cache). Returns logits [S, V]."""
+        h = self.embed(batch)
+        for i in range(self.arch.num_layers):
+            h = self.layer_forward(i, h, kv_layers(i), batch)
+        return self.logits(h, batch)

@@ -1,0 +1,74 @@
+"""Loads a model and its KV cache onto a device and runs forward passes on chunk lists."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpuservd.kv_cache.cache import KVCache, cache_shape
+from gpuservd.runner.batch import SeqChunk, build_batch
+from gpuservd.runner.llama import LlamaModel
+from gpuservd.runner.model_config import ModelArch, load_arch
+from gpuservd.runner.weights import load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadReport:
+    """How a model load went."""
+
+    model_dir: str
+    weight_bytes: int  # in the compute dtype, on the device
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    load_s: float  # reading + converting the weights
+    max_model_len: int
+
+
+class ModelRunner:
+    """A model and its paged KV cache on one device."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        device: str,
+        block_size: int,
+        kv_cache_bytes: int | None,
+        device_memory_bytes: int,
+        kv_cache_fraction: float,
+        max_model_len: int | None,
+    ):
+        t0 = time.perf_counter()
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.arch: ModelArch = load_arch(model_dir)
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window:
+            # We attend over the full context; capping at the window keeps that exact.
+            limit = min(limit, self.arch.sliding_window)
+        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        weights = load_weights(model_dir, self.arch, self.dtype, self.device)
+        self.model = LlamaModel(self.arch, weights, self.max_model_len, self.dtype, self.device)
+        self.block_size = block_size
+        shape = cache_shape(self.arch, block_size, self.dtype)
+        if kv_cache_bytes is None:
+            kv_cache_bytes = int((device_memory_bytes - weights.nbytes()) * kv_cache_fraction)
+        self.cache = KVCache.from_budget(shape, kv_cache_bytes, self.device)
+        self.load_report = LoadReport(
+            model_dir=str(model_dir),
+            weight_bytes=weights.nbytes(),
+            kv_cache_bytes=self.cache.bytes,
+            num_kv_blocks=self.cache.num_blocks,
+            load_s=time.perf_counter() - t0,
+            max_model_len=self.max_model_len,
+        )
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """One forward over the chunks; logits [S, V] (fp32) for the chunks with sample=True, in order."""
+        batch = build_batch(chunks, self.block_size, self.device)
+        return self.model.forward(batch, self.cache.layer)
