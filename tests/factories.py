@@ -46,3 +46,44 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return model
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "the capital of france is paris and the capital of italy is rome",
+    "a quick brown fox jumps over the lazy dog while the cat sleeps",
+    "serving many models on one card keeps tail latency flat under mixed traffic",
+] * 20
+
+
+def make_tokenizer(path: Path, vocab_size: int = 300):
+    """Train a tiny byte-level BPE in-process and save it (with a ChatML template) to path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A complete tiny model directory: random weights + a trained tokenizer with a chat template."""
+    make_hf_model(path, arch, seed=seed, **overrides)
+    make_tokenizer(path)
+    return path

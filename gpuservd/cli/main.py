@@ -1,0 +1,164 @@
+"""`gpuserv`: the command line. Thin commands that hand off to the layer below.
+
+Nothing heavy is imported at module level (no torch, no engine) so `gpuserv
+--help` and the store commands answer at once; commands that run a model
+import the engine inside the function. A UserError becomes one line on stderr
+and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpuservd.cli import store_cmds
+from gpuservd.errors import UserError
+
+app = typer.Typer(
+    help="gpuserv: a single-node model-serving daemon and its tools.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(store_cmds.app, name="models")
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML (the daemon reads the same file).")
+
+
+@app.command()
+def pull(
+    name: str = typer.Argument(..., help="Model to fetch into the store (known: smollm2)."),
+    force: bool = typer.Option(False, "--force", help="Convert again even if the model is in the store."),
+) -> None:
+    """Fetch a known model and convert it into the model store."""
+    store_cmds.pull_command(name, force)
+
+
+def _sampling(max_tokens, temperature, top_p, top_k, seed, stop):
+    from gpuservd.engine.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop or [])
+    )
+    params.validate()
+    return params
+
+
+def _engine(model: str, config: Optional[Path]):
+    from gpuservd.config import load_config
+    from gpuservd.engine.engine import LLMEngine
+
+    cfg = load_config(config)
+    cfg.model = model
+    return LLMEngine.from_store(model, cfg)
+
+
+def _print_stream(engine, request_id, ids, params) -> object:
+    last = None
+    for out in engine.stream(request_id, ids, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return last
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (sent as a user message through the chat template)."),
+    model: str = typer.Option("smollm2", "--model", "-m", help="Model name in the store."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="New tokens at most."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as plain text, without the chat template."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Generate a reply with an in-process engine, streaming it to the terminal."""
+    from gpuservd.engine.tokenizer import encode_chat, encode_raw
+
+    params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop)
+    engine = _engine(model, config)
+    tok = engine.tokenizer
+    ids = encode_raw(tok, prompt) if raw else encode_chat(tok, [{"role": "user", "content": prompt}])
+    last = _print_stream(engine, "generate-0", ids, params)
+    if last is not None:
+        typer.echo(f"[{last.num_output_tokens} tokens, finish: {last.finish_reason.value}]", err=True)
+
+
+@app.command()
+def chat(
+    model: str = typer.Option("smollm2", "--model", "-m", help="Model name in the store."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t"),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message for the conversation."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Chat with a model in the terminal (/reset clears the history, Ctrl-D quits)."""
+    from gpuservd.engine.tokenizer import encode_chat
+
+    params = _sampling(max_tokens, temperature, 1.0, 0, None, None)
+    engine = _engine(model, config)
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    typer.echo(f"chatting with {model}; /reset clears the history, Ctrl-D quits", err=True)
+    turn = 0
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("", err=True)
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        turn += 1
+        reply = []
+        try:
+            sys.stdout.write(f"{model}> ")
+            for out in engine.stream(f"chat-{turn}", encode_chat(engine.tokenizer, history), params):
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                reply.append(out.new_text)
+            sys.stdout.write("\n")
+        except KeyboardInterrupt:
+            sys.stdout.write(" [interrupted]\n")
+        except UserError as exc:  # e.g. the conversation outgrew the context
+            typer.echo(f"error: {exc}", err=True)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main() -> None:
+    """Entry point: run the Typer app, turning user mistakes into one-line errors."""
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as exc:  # click usage errors arrive here with standalone_mode=False
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(2)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

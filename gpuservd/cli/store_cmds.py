@@ -1,0 +1,131 @@
+"""`gpuserv models ...` and `gpuserv pull`: thin commands over gpuservd.store.
+
+The main CLI mounts `app` as `gpuserv models` and calls `pull_command` for
+`gpuserv pull NAME`. Errors are raised as UserError; the main CLI prints them on
+one line and exits 2. Nothing heavy is imported at module level: numpy, gguf and
+transformers load only inside a pull.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpuservd.errors import StoreCorrupt
+from gpuservd.store.store import ModelInfo, ModelStore
+
+app = typer.Typer(help="Manage the local model store.", no_args_is_help=True, add_completion=False)
+
+
+def _console() -> Console:
+    # Built per call so tests' captured stdout (CliRunner) is the one written to.
+    return Console(highlight=False, soft_wrap=True)
+
+
+def format_count(n: int) -> str:
+    """134515008 -> '134.5M'."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def format_bytes(n: int) -> str:
+    """538090408 -> '538.1 MB' (decimal units, as `ls -h --si` and package sizes use)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def info_to_dict(info: ModelInfo) -> dict:
+    """A ModelInfo as JSON-ready data (path as a string)."""
+    data = asdict(info)
+    data["path"] = str(info.path)
+    return data
+
+
+@app.command("ls")
+def ls(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """List the models in the store."""
+    store = ModelStore()
+    infos = store.list()
+    if as_json:
+        typer.echo(json.dumps([info_to_dict(i) for i in infos], indent=2))
+        return
+    console = _console()
+    if not infos:
+        console.print(f"No models in {store.root}. Run `gpuserv pull smollm2` to fetch the default model.",
+                      markup=False)
+        return
+    table = Table(title=f"models in {store.root}")
+    for column in ("name", "architecture", "parameters", "dtype", "on disk", "layers"):
+        table.add_column(column, justify="right" if column in ("parameters", "on disk", "layers") else "left")
+    for info in infos:
+        architecture = f"DAMAGED: {info.error}" if info.error else info.architecture
+        table.add_row(info.name, architecture, format_count(info.num_parameters), info.dtype,
+                      format_bytes(info.bytes_on_disk), str(info.num_layers))
+    console.print(table)
+
+
+@app.command("import")
+def import_cmd(
+    path: Path = typer.Argument(..., help="A local Hugging Face model directory (Llama, Mistral or Qwen2)."),
+    name: str = typer.Option(..., "--name", "-n", help="Name in the store: [a-z0-9][a-z0-9._-]*."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing model of that name."),
+) -> None:
+    """Copy a local Hugging Face model directory into the store."""
+    info = ModelStore().import_dir(path, name, overwrite=overwrite)
+    _console().print(f"imported {info.name}: {info.architecture}, {format_count(info.num_parameters)} "
+                     f"parameters, {info.dtype}, {format_bytes(info.bytes_on_disk)} at {info.path}", markup=False)
+
+
+@app.command("rm")
+def rm(name: str = typer.Argument(..., help="The model to delete.")) -> None:
+    """Delete a model from the store."""
+    store = ModelStore()
+    path = store.path(name)
+    store.remove(name)
+    _console().print(f"removed {name} ({path})", markup=False)
+
+
+@app.command("show")
+def show(
+    name: str = typer.Argument(..., help="The model to describe."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one model's metadata and whether its files are sound."""
+    store = ModelStore()
+    info = store.info(name)
+    try:
+        store.check(name)
+        status = "ok"
+    except StoreCorrupt as exc:
+        status = f"DAMAGED: {exc}"
+    data = info_to_dict(info)
+    data["check"] = status
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    console = _console()
+    data["num_parameters"] = f"{info.num_parameters} ({format_count(info.num_parameters)})"
+    data["bytes_on_disk"] = f"{info.bytes_on_disk} ({format_bytes(info.bytes_on_disk)})"
+    data.pop("error")
+    width = max(len(k) for k in data)
+    for key, value in data.items():
+        console.print(f"{key:<{width}}  {value}", markup=False)
+
+
+def pull_command(name: str, force: bool) -> None:
+    """`gpuserv pull NAME [--force]`: fetch a known model (only smollm2) into the store."""
+    from gpuservd.store.pull import pull  # keeps `gpuserv --help` free of the pull machinery
+
+    console = _console()
+    info = pull(name, force=force, progress=lambda line: console.print(line, markup=False))
+    console.print(f"{info.name}: {info.architecture}, {format_count(info.num_parameters)} parameters, "
+                  f"{info.dtype}, {format_bytes(info.bytes_on_disk)}", markup=False)

@@ -1,0 +1,255 @@
+"""The model store: one Hugging Face style directory per model under models_root().
+
+Every write goes through `ModelStore.staging`: files land in `.tmp-<name>-<pid>-*`
+inside the root, are validated and fsynced, and only then renamed into place, so
+a pull or import killed half way leaves no half model. Readers skip dot entries;
+the next write removes temp dirs whose process is gone. No torch here: the CLI
+imports this module and must start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from gpuservd.errors import ModelNotFound, StoreCorrupt, UserError
+from gpuservd.paths import models_root
+from gpuservd.store import layout
+from gpuservd.store.fsutil import clean_stale_tmp, fsync_path, fsync_tree, set_default_modes, tmp_name
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
+MAX_NAME_LEN = 64  # a name is a directory name and appears in temp names; keep it well under 255
+META_FILE = "gpuserv.yaml"
+# Files an import never copies: other weight formats (we load safetensors only),
+# and our own metadata, which is rewritten for the new entry.
+_SKIP_SUFFIXES = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".ckpt")
+
+
+@dataclass
+class ModelInfo:
+    """One store entry as the CLI, the API and the engine see it."""
+
+    name: str  # directory name under the store root
+    path: Path  # absolute path of the model directory
+    architecture: str  # config.json architectures[0], e.g. LlamaForCausalLM
+    num_parameters: int  # elements stored in the safetensors files (tied lm_head counted once)
+    dtype: str  # torch dtype name of the stored weights, e.g. float32
+    bytes_on_disk: int  # all files of the entry
+    num_layers: int  # config num_hidden_layers
+    hidden_size: int  # config hidden_size
+    num_kv_heads: int  # config num_key_value_heads (defaults to num_attention_heads)
+    max_position_embeddings: int  # config max_position_embeddings (0 when absent)
+    source: str  # where it came from (gpuserv.yaml), "unknown" for hand-placed dirs
+    created: str = ""  # ISO time of the pull/import (gpuserv.yaml), "" when unknown
+    error: str | None = None  # set by list() for a damaged entry; the other fields are then partial
+
+
+def validate_name(name: str) -> None:
+    """Raise UserError unless name matches [a-z0-9][a-z0-9._-]* (at most 64 characters)."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LEN:
+        raise UserError(
+            f"invalid model name {name!r}: use lower-case letters, digits, '.', '_' and '-', "
+            f"starting with a letter or digit, at most {MAX_NAME_LEN} characters"
+        )
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    """Copy one file during an import (a seam tests patch to simulate a crash)."""
+    shutil.copyfile(src, dst)
+
+
+class ModelStore:
+    """The model directories under `root` (default: models_root(), i.e. $GPUSERV_HOME/models)."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else models_root()
+
+    # ---- reading -------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Names of the entries present, sorted; temp and hidden dirs are skipped."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def list(self) -> list[ModelInfo]:
+        """Every entry; a damaged one is listed with `error` set rather than hidden."""
+        infos = []
+        for name in self.names():
+            try:
+                infos.append(self._read_info(name, self.root / name))
+            except StoreCorrupt as exc:
+                infos.append(self._broken_info(name, str(exc)))
+        return infos
+
+    def path(self, name: str) -> Path:
+        """The directory of a model; ModelNotFound (naming what is present) if absent."""
+        validate_name(name)
+        model_dir = self.root / name
+        if not model_dir.is_dir():
+            present = ", ".join(self.names()) or "none"
+            raise ModelNotFound(
+                f"model {name!r} is not in the store {self.root} (present: {present}); "
+                "run `gpuserv pull smollm2` for the default model, "
+                "or `gpuserv models import PATH --name NAME`"
+            )
+        return model_dir
+
+    def info(self, name: str) -> ModelInfo:
+        """Metadata of one entry, from config.json, the safetensors headers and gpuserv.yaml."""
+        return self._read_info(name, self.path(name))
+
+    def check(self, name: str) -> ModelInfo:
+        """Validate an entry (config fields, every weight shard, tokenizer.json).
+
+        Raises StoreCorrupt naming the exact bad file; returns the entry's info when sound.
+        """
+        model_dir = self.path(name)
+        layout.check_dir(model_dir)
+        return self._read_info(name, model_dir)
+
+    def _read_info(self, name: str, model_dir: Path) -> ModelInfo:
+        config = layout.read_config(model_dir)
+        summary = layout.summarize_weights(model_dir)
+        meta = self._read_meta(model_dir)
+        return ModelInfo(
+            name=name,
+            path=model_dir.resolve(),
+            architecture=layout.architecture_of(config),
+            num_parameters=summary.num_parameters,
+            dtype=summary.dtype,
+            bytes_on_disk=layout.dir_bytes(model_dir),
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=int(config["hidden_size"]),
+            num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+            source=str(meta.get("source", "unknown")),
+            created=str(meta.get("created", "")),
+        )
+
+    def _broken_info(self, name: str, error: str) -> ModelInfo:
+        # What gpuserv.yaml remembers fills in for the files that cannot be read.
+        model_dir = self.root / name
+        meta = self._read_meta(model_dir)
+
+        def number(key: str) -> int:
+            value = meta.get(key)
+            return value if isinstance(value, int) else 0
+
+        return ModelInfo(
+            name=name, path=model_dir.resolve(), architecture=str(meta.get("architecture", "?")),
+            num_parameters=number("num_parameters"), dtype=str(meta.get("dtype", "?")),
+            bytes_on_disk=layout.dir_bytes(model_dir), num_layers=number("num_layers"),
+            hidden_size=0, num_kv_heads=0, max_position_embeddings=0,
+            source=str(meta.get("source", "unknown")), created=str(meta.get("created", "")), error=error,
+        )
+
+    @staticmethod
+    def _read_meta(model_dir: Path) -> dict:
+        # gpuserv.yaml is informative only; a hand-placed HF dir without one is still a model.
+        try:
+            meta = yaml.safe_load((model_dir / META_FILE).read_text())
+        except (OSError, yaml.YAMLError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+    # ---- writing -------------------------------------------------------------
+
+    @contextmanager
+    def staging(self, name: str, source: str, overwrite: bool = False) -> Iterator[Path]:
+        """Yield an empty temp dir inside the root; on clean exit, publish it as `name`.
+
+        Publishing validates the directory (layout.check_dir), writes gpuserv.yaml,
+        fsyncs every file and renames the dir into place. Any exception (or a kill)
+        leaves no entry behind: the temp dir is removed now, or by the next write.
+        """
+        validate_name(name)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_stale()
+        dest = self.root / name
+        if dest.exists() and not overwrite:
+            raise UserError(f"model {name!r} already exists in {self.root}; pass --overwrite to replace it")
+        tmp = self.root / tmp_name(name)
+        tmp.mkdir(mode=0o700)
+        try:
+            yield tmp
+            config, summary = layout.check_dir(tmp)
+            self._write_meta(tmp, name, source, config, summary)
+            set_default_modes(tmp)
+            fsync_tree(tmp)
+            self._publish(tmp, dest, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _write_meta(self, tmp: Path, name: str, source: str, config: dict, summary) -> None:
+        meta = {
+            "name": name,
+            "source": source,
+            "architecture": layout.architecture_of(config),
+            "dtype": summary.dtype,
+            "num_parameters": summary.num_parameters,
+            "num_layers": int(config["num_hidden_layers"]),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        (tmp / META_FILE).write_text(yaml.safe_dump(meta, sort_keys=False))
+
+    def _publish(self, tmp: Path, dest: Path, overwrite: bool) -> None:
+        old = None
+        if dest.exists() and overwrite:
+            # Move the old entry aside first: os.rename cannot replace a non-empty dir.
+            old = self.root / tmp_name(dest.name)
+            os.rename(dest, old)
+        try:
+            os.rename(tmp, dest)
+        except OSError as exc:
+            if old is not None:
+                os.rename(old, dest)
+            raise UserError(f"model {dest.name!r} appeared in {self.root} meanwhile ({exc}); try again") from None
+        fsync_path(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def clean_stale(self) -> list[Path]:
+        """Remove temp dirs left in the root by processes that are gone; return them."""
+        return clean_stale_tmp(self.root)
+
+    def import_dir(self, src: Path, name: str, overwrite: bool = False) -> ModelInfo:
+        """Copy a local Hugging Face Llama/Mistral/Qwen2 directory into the store, atomically.
+
+        Copies the top-level files (config, tokenizer files, *.safetensors, ...), not
+        subdirectories nor other weight formats (.bin, .gguf, ...).
+        """
+        validate_name(name)
+        src = Path(src).expanduser().resolve()
+        if not src.is_dir():
+            raise UserError(f"{src}: not a directory")
+        config = layout.read_config(src)
+        layout.require_supported(config, src / "config.json")
+        layout.summarize_weights(src)  # every shard present and readable
+        if not (src / layout.TOKENIZER_FILE).is_file():
+            raise UserError(f"{src / layout.TOKENIZER_FILE}: missing (a fast tokenizer is required)")
+        files = [
+            p for p in sorted(src.iterdir())
+            if p.is_file() and not p.name.startswith(".") and p.name != META_FILE
+            and not p.name.endswith(_SKIP_SUFFIXES)
+        ]
+        with self.staging(name, source=f"import:{src}", overwrite=overwrite) as tmp:
+            for file in files:
+                _copy_file(file, tmp / file.name)
+        return self.info(name)
+
+    def remove(self, name: str) -> None:
+        """Delete an entry; it vanishes at once (renamed aside) and is then deleted."""
+        model_dir = self.path(name)
+        aside = self.root / tmp_name(name)
+        os.rename(model_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models built once per session, an isolated GPUSERV_HOME per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from factories import make_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a real (trained) byte-level BPE tokenizer."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def real_store_home() -> Path | None:
+    """The GPUSERV_HOME that holds the pulled SmolLM2, if any (make test pulls it first)."""
+    home = Path(os.environ.get("GPUSERV_HOME") or Path.home() / ".local" / "share" / "gpuserv")
+    return home if (home / "models" / "smollm2" / "config.json").exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(real_store_home) -> Path:
+    if real_store_home is None:
+        pytest.skip("SmolLM2 is not in the store (run `gpuserv pull smollm2`)")
+    return real_store_home / "models" / "smollm2"
