@@ -53,9 +53,9 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     block_size: int = 16  # tokens per KV block
-    device_memory_bytes: int = 8 * 1024**3  # the device tier's budget (RAM on the CPU)
+    device_memory_bytes: int = 4 * 1024**3  # the device tier's budget (RAM on the CPU)
     kv_cache_bytes: int | None = None  # KV pool size; None = kv_cache_fraction of what weights leave
-    kv_cache_fraction: float = 0.5  # of device_memory_bytes minus weights
+    kv_cache_fraction: float = 0.4  # of device_memory_bytes minus weights
     max_model_len: int | None = None  # context limit; None = the model's (and its sliding window)
     telemetry_ring_size: int = 4096  # per-step records kept in memory
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -217,6 +217,20 @@ class LLMEngine:
         )
 
     # -- offline convenience ---------------------------------------------
+    def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """Run one request (alongside whatever else is queued) and yield its RequestOutputs."""
+        self.add_request(request_id, prompt_token_ids, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self.requests:  # the caller stopped early (Ctrl-C): free its blocks
+                self.abort(request_id)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion together; returns the output token ids per prompt."""
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]

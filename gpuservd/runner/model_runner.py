@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from gpuservd.errors import UserError
 from gpuservd.kv_cache.cache import KVCache, cache_shape
 from gpuservd.runner.batch import SeqChunk, build_batch
 from gpuservd.runner.llama import LlamaModel
@@ -58,6 +59,11 @@ class ModelRunner:
         shape = cache_shape(self.arch, block_size, self.dtype)
         if kv_cache_bytes is None:
             kv_cache_bytes = int((device_memory_bytes - weights.nbytes()) * kv_cache_fraction)
+        if kv_cache_bytes < shape.bytes_per_block:
+            raise UserError(
+                f"the KV cache budget ({kv_cache_bytes} bytes) holds no {shape.bytes_per_block}-byte block: "
+                f"raise engine.device_memory_bytes (weights take {weights.nbytes()} bytes) or set engine.kv_cache_bytes"
+            )
         self.cache = KVCache.from_budget(shape, kv_cache_bytes, self.device)
         self.load_report = LoadReport(
             model_dir=str(model_dir),

@@ -1,0 +1,36 @@
+# gpuserv: the two commands a new machine needs (see README.md).
+#   make run   set up .venv, pull the default model, run the main job
+#   make test  set up .venv, pull the default model, run the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup model run test bench clean
+
+setup: $(STAMP)
+
+# torch is installed on its own first, pinned: a bare `pip install torch` (or a
+# package that depends on it) would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+model: $(STAMP)
+	$(BIN)/gpuserv pull smollm2
+
+run: model
+	$(BIN)/gpuserv generate "What is the capital of France? Answer in one sentence."
+	$(BIN)/gpuserv bench --workload profiles/workloads/smoke.yaml --peers none --out bench/runs/smoke
+
+test: model
+	$(BIN)/python -m pytest -q
+
+bench: model
+	$(BIN)/gpuserv bench --workload profiles/workloads/mixed-short-long.yaml --out bench/runs/mixed-short-long
+
+clean:
+	rm -rf $(VENV) bench/runs

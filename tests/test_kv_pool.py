@@ -1,0 +1,33 @@
+"""The paged KV block pool: allocation, reference counts, sizing."""
+
+import pytest
+import torch
+
+from gpuservd.kv_cache.block_pool import BlockPool
+from gpuservd.kv_cache.cache import CacheShape, KVCache
+
+
+def test_allocate_free_refcount():
+    pool = BlockPool(8)
+    a = pool.allocate(5)
+    assert len(a) == 5 and pool.num_free == 3 and pool.usage == 5 / 8
+    assert pool.allocate(4) is None and pool.num_free == 3  # all or nothing
+    pool.share(a[:2])
+    pool.free(a)
+    assert pool.num_free == 6  # the two shared blocks still have a reference
+    pool.free(a[:2])
+    assert pool.num_free == 8
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([a[0]])
+    with pytest.raises(ValueError, match="is free"):
+        pool.share([a[0]])
+
+
+def test_cache_sized_from_budget():
+    shape = CacheShape(num_layers=30, num_kv_heads=3, block_size=16, head_dim=64, dtype=torch.float32)
+    assert shape.bytes_per_block == 2 * 30 * 3 * 16 * 64 * 4  # 737,280 bytes
+    cache = KVCache.from_budget(shape, 100 * shape.bytes_per_block + 5, torch.device("cpu"))
+    assert cache.num_blocks == 100 and cache.pool.num_free == 100
+    assert cache.layer(3)[0].shape == (100, 3, 16, 64)
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCache.from_budget(shape, 10, torch.device("cpu"))

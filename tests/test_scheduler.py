@@ -1,0 +1,139 @@
+"""The continuous-batching scheduler, driven with hand-built model outputs (no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpuservd.config import SchedulerConfig
+from gpuservd.engine.request import Request, SamplingParams
+from gpuservd.engine.scheduler import Scheduler
+from gpuservd.errors import UserError
+from gpuservd.kv_cache.block_pool import BlockPool
+
+
+def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), block_size)
+
+
+def make_requests(lengths, max_tokens=4, t0=0.0) -> list[Request]:
+    return [
+        Request(f"r{i}", list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens), arrival_time=t0 + i)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def run_step(s: Scheduler, finished: list):
+    """Apply a fake model: every sampling chunk yields token 7; finish at max_tokens."""
+    out = s.schedule()
+    for c in out.chunks:
+        c.request.num_computed_tokens += c.num_tokens
+    for c in out.chunks:
+        if c.sample:
+            r = c.request
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.remove(r)
+                finished.append(r)
+    return out
+
+
+def test_batch_reforms_each_step_requests_join_and_leave():
+    s = make_scheduler(max_num_batched_tokens=64, max_prefill_tokens=64)
+    reqs = make_requests([5, 5], max_tokens=3)
+    for r in reqs:
+        s.add(r)
+    done = []
+    out = run_step(s, done)
+    assert out.num_prefill_tokens == 10 and out.num_decode_tokens == 0
+    late = make_requests([6], max_tokens=2, t0=5)[0]
+    late.request_id = "late"
+    s.add(late)
+    out = run_step(s, done)  # two decodes and the newcomer's prefill in one step
+    assert out.num_decode_tokens == 2 and out.num_prefill_tokens == 6
+    assert [c.num_tokens for c in out.chunks] == [1, 1, 6]  # decode first
+    while s.has_unfinished():
+        run_step(s, done)
+    assert sorted(r.request_id for r in done) == ["late", "r0", "r1"]
+    assert s.pool.num_free == s.pool.num_blocks
+
+
+def test_chunked_prefill_respects_prefill_and_token_budgets():
+    s = make_scheduler(max_num_batched_tokens=16, max_prefill_tokens=8, max_num_seqs=4)
+    for r in make_requests([20, 20]):
+        s.add(r)
+    out = s.schedule()
+    assert out.num_prefill_tokens == 8 and len(out.chunks) == 1  # the prefill budget caps the step
+    assert not out.chunks[0].sample
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_tokens=64)
+    for r in make_requests([3, 3, 3]):
+        s.add(r)
+    out = s.schedule()
+    assert out.num_running == 2 and out.num_waiting == 1
+
+
+def test_new_requests_wait_when_kv_pool_is_full():
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64)
+    for r in make_requests([12, 8]):  # 3 blocks + 2 blocks > 4
+        s.add(r)
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0"] and out.num_waiting == 1
+
+
+def test_recompute_preemption_when_running_out_of_blocks():
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64)
+    reqs = make_requests([4, 4, 4], max_tokens=8)
+    for r in reqs:
+        s.add(r)
+    done = []
+    run_step(s, done)  # 3 blocks used, all full
+    out = run_step(s, done)  # each needs a 2nd block: only one is free -> the newest is preempted
+    assert out.preempted_ids == ["r2"]
+    assert reqs[2].num_computed_tokens == 0 and reqs[2].num_preemptions == 1
+    while s.has_unfinished():
+        run_step(s, done)
+    assert len(done) == 3 and all(len(r.output_token_ids) == 8 for r in done)
+    assert s.pool.num_free == 4
+
+
+def test_priority_policy_orders_waiting_queue():
+    s = make_scheduler(policy="priority", max_num_seqs=1)
+    low, high = make_requests([3, 3])
+    high.priority = 5
+    s.add(low)
+    s.add(high)
+    assert s.schedule().chunks[0].request is high
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(UserError, match="fcfs, priority"):
+        make_scheduler(policy="lottery")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_traffic_never_leaks_blocks(seed):
+    rng = random.Random(seed)
+    s = make_scheduler(num_blocks=rng.randint(8, 30), block_size=4, max_num_seqs=rng.randint(1, 6),
+                       max_num_batched_tokens=rng.randint(8, 40), max_prefill_tokens=rng.randint(1, 16))
+    reqs = [
+        Request(f"r{i}", [5] * rng.randint(1, 12), SamplingParams(max_tokens=rng.randint(1, 12)), arrival_time=i)
+        for i in range(25)
+    ]
+    done, steps = [], 0
+    pending = list(reqs)
+    while pending or s.has_unfinished():
+        if pending and rng.random() < 0.5:
+            s.add(pending.pop(0))
+        if rng.random() < 0.05 and s.running:
+            victim = rng.choice(s.running)  # a client goes away mid-request
+            s.remove(victim)
+            done.append(victim)
+        run_step(s, done)
+        steps += 1
+        assert steps < 5000, "scheduler made no progress"
+        assert s.pool.num_used == sum(len(r.block_ids) for r in s.running)
+    assert len(done) == 25 and s.pool.num_free == s.pool.num_blocks
