@@ -28,6 +28,6 @@ def test_cache_sized_from_budget():
     assert shape.bytes_per_block == 2 * 30 * 3 * 16 * 64 * 4  # 737,280 bytes
     cache = KVCache.from_budget(shape, 100 * shape.bytes_per_block + 5, torch.device("cpu"))
     assert cache.num_blocks == 100 and cache.pool.num_free == 100
-    assert cache.layer(3)[0].shape == (100, 3, 16, 64)
+    assert cache.layer(3)[0].shape == (100, 16, 3, 64)
     with pytest.raises(ValueError, match="holds no block"):
         KVCache.from_budget(shape, 10, torch.device("cpu"))

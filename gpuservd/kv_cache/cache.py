@@ -1,9 +1,10 @@
 """The KV cache tensors, sized from a byte budget.
 
-Layout per layer: k, v = [num_blocks, kv_heads, block_size, head_dim]. Keeping
-kv_heads before block_size makes a gathered block set directly usable as the
-right-hand side of a batched matmul (no copy to transpose), and keeps one
-layer's blocks contiguous so a partial-layer swap moves whole slabs.
+Layout per layer: k, v = [num_blocks, block_size, kv_heads, head_dim]. Token
+major inside a block makes a token's slot one flat index (block * block_size +
+offset), so a step's new K/V are written with one index_copy_, and a gathered
+block list is a contiguous run of tokens. Layers are the outer dimension, so a
+partial-layer swap moves whole per-layer slabs.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class KVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.pool = BlockPool(num_blocks)
-        # kv: [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
+        # kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]. Zero-filled, not
+        # empty: masked-out slots are multiplied by a zero probability, and 0 * NaN garbage is NaN.
         self.kv = torch.zeros(
-            (shape.num_layers, 2, num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim),
+            (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
             dtype=shape.dtype,
             device=device,
         )
@@ -65,5 +67,5 @@ class KVCache:
         return self.num_blocks * self.shape.bytes_per_block
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer, each [num_blocks, kv_heads, block_size, head_dim]."""
+        """(k, v) of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.kv[layer, 0], self.kv[layer, 1]

@@ -46,7 +46,8 @@ class DecodeGroup:
 
     rows: torch.Tensor  # [b] rows of these sequences in the flat token batch
     block_table: torch.Tensor  # [b, nblk] block ids, padded with block 0
-    mask: torch.Tensor  # [b, nblk * block_size] bool: position holds a real token
+    max_len: int  # the longest context in the group
+    mask: torch.Tensor | None  # [b, max_len] bool: position holds a real token; None when all lengths are equal
 
 
 @dataclass
@@ -55,8 +56,7 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    slot_blocks: torch.Tensor  # [T] block id where each token's K/V is written
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) where each token's K/V goes
     num_decode: int  # the first num_decode tokens are one-token chunks, one per sequence
     decode_groups: list[DecodeGroup]  # the decode sequences, grouped by context length
     prefills: list[PrefillMeta]  # one per multi-token chunk
@@ -89,8 +89,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
     order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
     ids: list[int] = []
     pos: list[int] = []
-    s_blk: list[int] = []
-    s_off: list[int] = []
+    slots: list[int] = []
     dec_ctx: list[int] = []  # context length of each decode sequence
     dec_tables: list[list[int]] = []
     prefills: list[PrefillMeta] = []
@@ -108,8 +107,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         ids.extend(c.token_ids)
         for p in range(c.start_pos, ctx):
             pos.append(p)
-            s_blk.append(c.block_ids[p // block_size])
-            s_off.append(p % block_size)
+            slots.append(c.block_ids[p // block_size] * block_size + p % block_size)
         last_row[i] = q_start + n - 1
         if n == 1:
             dec_ctx.append(ctx)
@@ -121,20 +119,23 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         nblk = len(dec_tables[members[0]])
         members = sorted(members)  # ascending rows: a single group is then the identity order
         table = [dec_tables[j] + [0] * (nblk - len(dec_tables[j])) for j in members]
-        lens = torch.tensor([dec_ctx[j] for j in members])
-        mask = torch.arange(nblk * block_size)[None, :] < lens[:, None]
+        lens = [dec_ctx[j] for j in members]
+        longest = max(lens)
+        mask = None
+        if min(lens) != longest:
+            mask = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]).to(device)
         groups.append(
             DecodeGroup(
                 rows=torch.tensor(members, dtype=torch.long, device=device),
                 block_table=torch.tensor(table, dtype=torch.long, device=device),
-                mask=mask.to(device),
+                max_len=longest,
+                mask=mask,
             )
         )
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
-        slot_blocks=torch.tensor(s_blk, dtype=torch.long, device=device),
-        slot_offsets=torch.tensor(s_off, dtype=torch.long, device=device),
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode=len(dec_ctx),
         decode_groups=groups,
         prefills=prefills,

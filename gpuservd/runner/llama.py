@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
 from gpuservd.runner.model_config import ModelArch
-from gpuservd.runner.rope import RopeTables
+from gpuservd.runner.rope import RopeTables, apply_rope
 from gpuservd.runner.weights import LayerWeights, ModelWeights
 
 
@@ -39,22 +39,21 @@ class LlamaModel:
         self._q_size = arch.num_heads * arch.head_dim
         self._kv_size = arch.num_kv_heads * arch.head_dim
 
-    def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch):
-        """One decoder layer on hidden states h [T, D]; returns the new h [T, D]."""
+    def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):
+        """One decoder layer on hidden states h [T, D]; rope = (cos, sin) of the batch. Returns the new h [T, D]."""
         a = self.arch
         lw: LayerWeights = self.weights.layers[i]
         x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, (H + 2 KVH) * hd]
-        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         t = h.shape[0]
-        q = self.rope.apply(q.view(t, a.num_heads, a.head_dim), batch.positions)
-        k = self.rope.apply(k.view(t, a.num_kv_heads, a.head_dim), batch.positions)
-        v = v.view(t, a.num_kv_heads, a.head_dim)
+        qkv = lw.qkv(x).view(t, a.num_heads + 2 * a.num_kv_heads, a.head_dim)  # [T, H + 2 KVH, hd]
+        qk = apply_rope(qkv[:, : a.num_heads + a.num_kv_heads], *rope)  # q and k heads rotated together
+        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        v = qkv[:, a.num_heads + a.num_kv_heads :]
         attn = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, H, hd]
-        h = h + F.linear(attn.reshape(t, self._q_size), lw.o_proj)
+        h = h + lw.o_proj(attn.reshape(t, self._q_size))
         x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
-        gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return h + F.linear(F.silu(gate) * up, lw.down)
+        gate, up = lw.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        return h + lw.down(F.silu(gate) * up)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.weights.embed.index_select(0, batch.input_ids)  # [T, D]
@@ -62,12 +61,13 @@ class LlamaModel:
     def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits [S, V] for the rows in batch.logits_indices."""
         x = rms_norm(h.index_select(0, batch.logits_indices), self.weights.final_norm, self.arch.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return self.weights.lm_head(x).float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_layers) -> torch.Tensor:
         """Run every layer; kv_layers(i) gives layer i's (k_cache, v_cache). Returns logits [S, V]."""
         h = self.embed(batch)
+        rope = self.rope.lookup(batch.positions)
         for i in range(self.arch.num_layers):
-            h = self.layer_forward(i, h, kv_layers(i), batch)
+            h = self.layer_forward(i, h, kv_layers(i), batch, rope)
         return self.logits(h, batch)

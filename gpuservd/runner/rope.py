@@ -51,10 +51,13 @@ class RopeTables:
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] at positions [T] (rotate-half form, as in HF)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for positions [T]; computed once per forward, used by every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] (rotate-half form, as in HF); q and k heads go through together."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from gpuservd.errors import StoreCorrupt
+from gpuservd.runner.linear import Linear, onednn_available
 from gpuservd.runner.model_config import ModelArch
 
 
@@ -24,18 +25,15 @@ class LayerWeights:
     """One decoder layer; shapes in comments (D = hidden, I = intermediate)."""
 
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, D]
-    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2)
-    o_proj: torch.Tensor  # [D, heads * head_dim]
+    qkv: Linear  # D -> (heads + 2 * kv_heads) * head_dim, with a bias on Qwen2
+    o_proj: Linear  # heads * head_dim -> D
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 * I, D]
-    down: torch.Tensor  # [D, I]
+    gate_up: Linear  # D -> 2 * I
+    down: Linear  # I -> D
 
     def nbytes(self) -> int:
-        ts = [self.input_norm, self.qkv, self.o_proj, self.post_norm, self.gate_up, self.down]
-        if self.qkv_bias is not None:
-            ts.append(self.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in ts)
+        norms = sum(t.numel() * t.element_size() for t in (self.input_norm, self.post_norm))
+        return norms + sum(lin.nbytes for lin in (self.qkv, self.o_proj, self.gate_up, self.down))
 
 
 @dataclass
@@ -44,13 +42,14 @@ class ModelWeights:
 
     embed: torch.Tensor  # [V, D]
     final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D]; the same tensor as embed when tied
+    lm_head: Linear  # D -> V; shares embed's storage when tied (unless reordered for oneDNN)
     layers: list[LayerWeights]
 
     def nbytes(self) -> int:
-        extra = 0 if self.lm_head is self.embed else self.lm_head.numel() * self.lm_head.element_size()
+        """Bytes of the model's parameters in the compute dtype (a tied head counted once)."""
+        head = 0 if self.lm_head.weight is self.embed else self.lm_head.nbytes
         emb = self.embed.numel() * self.embed.element_size()
-        return emb + extra + self.final_norm.numel() * self.final_norm.element_size() + sum(
+        return emb + head + self.final_norm.numel() * self.final_norm.element_size() + sum(
             lw.nbytes() for lw in self.layers
         )
 
@@ -99,31 +98,38 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Te
     return t.to(device=device, dtype=dtype).contiguous()
 
 
-def load_layer(reader: SafetensorsReader, arch: ModelArch, i: int, dtype, device) -> LayerWeights:
+def load_layer(reader: SafetensorsReader, arch: ModelArch, i: int, dtype, device, onednn: bool) -> LayerWeights:
     """Read and fuse one decoder layer."""
     p = f"model.layers.{i}."
-    q, k, v = (reader.get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-    bias = None
-    if arch.qkv_bias:
-        bias = _cast(torch.cat([reader.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), dtype, device)
+
+    def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear:
+        w = _cast(torch.cat([reader.get(p + n) for n in names]), dtype, device)
+        b = _cast(torch.cat([reader.get(p + n) for n in bias]), dtype, device) if bias else None
+        return Linear(w, b, onednn)
+
+    qkv_names = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
+    qkv_bias = tuple(f"self_attn.{n}_proj.bias" for n in "qkv") if arch.qkv_bias else ()
     return LayerWeights(
         input_norm=_cast(reader.get(p + "input_layernorm.weight"), dtype, device),
-        qkv=_cast(torch.cat([q, k, v], dim=0), dtype, device),
-        qkv_bias=bias,
-        o_proj=_cast(reader.get(p + "self_attn.o_proj.weight"), dtype, device),
+        qkv=lin(*qkv_names, bias=qkv_bias),
+        o_proj=lin("self_attn.o_proj.weight"),
         post_norm=_cast(reader.get(p + "post_attention_layernorm.weight"), dtype, device),
-        gate_up=_cast(torch.cat([reader.get(p + "mlp.gate_proj.weight"), reader.get(p + "mlp.up_proj.weight")]), dtype, device),
-        down=_cast(reader.get(p + "mlp.down_proj.weight"), dtype, device),
+        gate_up=lin("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        down=lin("mlp.down_proj.weight"),
     )
 
 
-def load_weights(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    """Load a whole model (all layers) into the runner's layout."""
+def load_weights(
+    model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None
+) -> ModelWeights:
+    """Load a whole model (all layers) into the runner's layout; onednn=None picks it where available."""
+    if onednn is None:
+        onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(model_dir)
     embed = _cast(reader.get("model.embed_tokens.weight"), dtype, device)
     if reader.has("lm_head.weight") and not arch.tie_word_embeddings:
-        lm_head = _cast(reader.get("lm_head.weight"), dtype, device)
+        lm_head = Linear(_cast(reader.get("lm_head.weight"), dtype, device), None, onednn)
     else:
-        lm_head = embed
-    layers = [load_layer(reader, arch, i, dtype, device) for i in range(arch.num_layers)]
+        lm_head = Linear(embed, None, onednn)
+    layers = [load_layer(reader, arch, i, dtype, device, onednn) for i in range(arch.num_layers)]
     return ModelWeights(embed, _cast(reader.get("model.norm.weight"), dtype, device), lm_head, layers)
