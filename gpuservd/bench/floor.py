@@ -1,0 +1,134 @@
+"""The batch-1 decode floor: how fast a decode step could possibly be on this machine.
+
+At batch 1 a decode step must read every weight once (every linear layer and
+the LM head), and on a CPU that read is limited by memory bandwidth, so
+`weight bytes per step / read bandwidth` is a lower bound on the step time.
+The benchmark reports gpuserv's measured batch-1 step next to it (issue 2 asks
+for <= 1.5x the floor).
+
+torch is imported inside the functions: the report and the CLI import this
+module without paying for torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+GIB = 1 << 30
+
+
+def measure_read_bandwidth(num_threads: int, nbytes: int = GIB, repeats: int = 3) -> float:
+    """Read-only memory bandwidth in bytes/s: `sum()` over an `nbytes` fp32 tensor with
+    `num_threads` torch threads, best of `repeats` after one warm-up pass.
+
+    1 GiB is far beyond any CPU cache, so the sum streams from DRAM; the thread
+    count is restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(num_threads))
+    x = None
+    try:
+        # Distinct values on every page: empty() leaves pages unmapped and a constant fill
+        # (ones()) lets a hypervisor or KSM merge identical pages into one cached page,
+        # which read here as 63 GB/s on a machine whose DRAM gives ~20-30.
+        x = torch.arange(nbytes // 4, dtype=torch.float32)
+        x.sum()  # warm-up: thread pool start, page-table walk
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        return x.numel() * 4 / best
+    finally:
+        del x
+        torch.set_num_threads(before)
+
+
+def weight_bytes_per_decode_step(config: dict, dtype_bytes: int) -> int:
+    """Bytes of weights one batch-1 decode step must read, from a Llama-family config.json:
+    every linear layer (q, k, v, o, gate, up, down; q/k/v biases where `attention_bias`)
+    plus the LM head (the embedding matrix when tied; the same size either way). The
+    embedding lookup (one row) and the norm vectors are left out: they are a rounding error."""
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inter = int(config["intermediate_size"])
+    layers = int(config["num_hidden_layers"])
+    vocab = int(config["vocab_size"])
+
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = hidden * q + 2 * hidden * kv + q * hidden
+    # Qwen2 has q/k/v biases; Llama's attention_bias adds them too (and an o bias).
+    if config.get("attention_bias") or config.get("model_type") == "qwen2":
+        attention += q + 2 * kv + (hidden if config.get("attention_bias") else 0)
+    mlp = 3 * hidden * inter + (2 * inter + hidden if config.get("mlp_bias") else 0)
+    lm_head = vocab * hidden
+    return (layers * (attention + mlp) + lm_head) * int(dtype_bytes)
+
+
+def decode_floor_s(weight_bytes_per_step: int, bandwidth: float) -> float:
+    """The lower bound on a batch-1 decode step, seconds: weight bytes / read bandwidth."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+    return weight_bytes_per_step / bandwidth
+
+
+def floor_summary(weight_bytes: int, bandwidth: float, gpuserv_batch1_step_s: float | None = None) -> dict:
+    """The report's `floor` section. gpuserv's measured batch-1 step may be filled in later
+    (`ratio` = measured / floor; None until then)."""
+    floor_s = decode_floor_s(weight_bytes, bandwidth)
+    step_ms = None if gpuserv_batch1_step_s is None else 1000.0 * gpuserv_batch1_step_s
+    return {
+        "weight_bytes": int(weight_bytes),
+        "read_bandwidth_gbs": bandwidth / 1e9,
+        "floor_step_ms": 1000.0 * floor_s,
+        "gpuserv_batch1_step_ms": step_ms,
+        "ratio": None if step_ms is None else step_ms / (1000.0 * floor_s),
+    }
+
+
+class ForeignLoad:
+    """How much CPU other processes used while a measurement ran: a context manager.
+
+    On a small shared machine one busy neighbour halves a 2-thread run (an
+    OpenMP step waits for its descheduled thread), so every timing should say
+    how quiet the machine was. `share` is the foreign CPU time over the
+    machine's capacity during the block (0 = quiet, 0.5 = one of 2 cores taken);
+    None where /proc/stat is missing (not Linux)."""
+
+    def __init__(self):
+        self.foreign_cpu_s: float | None = None  # CPU seconds used by other processes during the block
+        self.share: float | None = None  # foreign_cpu_s / (wall seconds x cores)
+
+    @staticmethod
+    def _busy_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> ForeignLoad:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> ForeignLoad:
+        """Begin counting (what `with` does on entry)."""
+        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), self._busy_s()
+        return self
+
+    def stop(self) -> None:
+        """Stop counting and fill in `foreign_cpu_s` and `share`."""
+        busy = self._busy_s()
+        if busy is None or self._busy is None:
+            return
+        wall = time.perf_counter() - self._wall
+        self.foreign_cpu_s = max(0.0, (busy - self._busy) - (time.process_time() - self._own))
+        self.share = self.foreign_cpu_s / max(wall * (os.cpu_count() or 1), 1e-9)

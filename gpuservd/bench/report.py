@@ -1,0 +1,212 @@
+"""The benchmark report: result.json, result.md and latency_cdf.png in one folder.
+
+Every system's numbers are computed here, from its `SystemRun`, the same way:
+throughput = generated tokens / wall; latency = finish - arrival; ttft = first
+token - arrival; percentiles are numpy's linear interpolation. Ratios are
+gpuserv / peer, so a throughput ratio above 1 and latency ratios below 1 mean
+gpuserv is ahead.
+
+No torch here (the report must be cheap to import); matplotlib is imported
+only when the plot is drawn.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from gpuservd.bench.records import SystemRun
+
+PERCENTILES = (50, 90, 99)
+OURS = "gpuserv"
+
+
+def percentiles(values) -> dict | None:
+    """{p50, p90, p99} of `values` (numpy linear interpolation); None when there are none."""
+    if len(values) == 0:
+        return None
+    arr = np.asarray(values, dtype=float)
+    return {f"p{q}": float(np.percentile(arr, q, method="linear")) for q in PERCENTILES}
+
+
+def _class_names(workload, runs: list[SystemRun]) -> list[str]:
+    names = list(workload.class_names()) if workload is not None else []
+    for run in runs:
+        for r in run.requests:
+            if r.cls not in names:
+                names.append(r.cls)
+    return names
+
+
+def system_summary(run: SystemRun, classes: list[str]) -> dict:
+    """One system's numbers: throughput, latency and ttft percentiles for all requests and per class."""
+    def by_class(metric) -> dict:
+        out = {"all": percentiles([metric(r) for r in run.requests])}
+        for c in classes:
+            out[c] = percentiles([metric(r) for r in run.requests if r.cls == c])
+        return out
+
+    tokens = run.generated_tokens
+    return {
+        "throughput_tok_s": tokens / run.wall_s if run.wall_s > 0 else None,
+        "latency_s": by_class(lambda r: r.finish_s - r.arrival_s),
+        "ttft_s": by_class(lambda r: r.first_token_s - r.arrival_s),
+        "num_requests": len(run.requests),
+        "generated_tokens": tokens,
+        "wall_s": run.wall_s,
+        "extra": run.extra,
+        "requests": [vars(r) for r in run.requests],
+    }
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def ratios(systems: dict, classes: list[str]) -> dict:
+    """gpuserv / peer for throughput, latency p50/p99 and ttft p50/p99, per class; {} without gpuserv."""
+    ours = systems.get(OURS)
+    if ours is None:
+        return {}
+    out = {}
+    for name, peer in systems.items():
+        if name == OURS:
+            continue
+        entry = {"throughput": _ratio(ours["throughput_tok_s"], peer["throughput_tok_s"])}
+        for metric, short in (("latency_s", "latency"), ("ttft_s", "ttft")):
+            for p in ("p50", "p99"):
+                entry[f"{short}_{p}"] = {
+                    c: _ratio((ours[metric].get(c) or {}).get(p), (peer[metric].get(c) or {}).get(p))
+                    for c in ["all", *classes]
+                }
+        out[name] = entry
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def meta(workload, runs: list[SystemRun], config: dict) -> dict:
+    """Where and how the numbers were taken. dtype and threads come from `config`
+    ("dtype", "num_threads" or "threads"), else from the first run that recorded them."""
+    def from_runs(key):
+        return next((r.extra.get(key) for r in runs if r.extra.get(key) is not None), None)
+
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
+                 "node": platform.node(), "python": platform.python_version()},
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "dtype": config.get("dtype") or from_runs("dtype"),
+        "threads": config.get("num_threads") or config.get("threads") or from_runs("num_threads"),
+        "workload": {"name": getattr(workload, "name", None),
+                     "file": str(workload.path) if getattr(workload, "path", None) else None},
+        "config": config,
+    }
+
+
+def write_report(out_dir, workload, runs: list[SystemRun], floor: dict | None, config: dict) -> dict:
+    """Write out_dir/result.json, result.md and latency_cdf.png for `runs` (one or more systems;
+    gpuserv's run is the one named "gpuserv") and return the result dict."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    classes = _class_names(workload, runs)
+    systems = {run.system: system_summary(run, classes) for run in runs}
+    result = {
+        "systems": systems,
+        "classes": classes,
+        "ratios": ratios(systems, classes),
+        "floor": floor,
+        "meta": meta(workload, runs, config or {}),
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "result.md").write_text(markdown(result))
+    plot_latency_cdf(out / "latency_cdf.png", runs, classes)
+    return result
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _p(stats: dict | None, key: str) -> str:
+    return "-" if not stats else _f(stats.get(key))
+
+
+def markdown(result: dict) -> str:
+    """A short Markdown summary: one row per system, one row per gpuserv/peer ratio, the floor."""
+    classes = result["classes"]
+    groups = ["all", *classes] if len(classes) > 1 else ["all"]
+    head = ["system", "tok/s", "wall s"] + [f"latency {g} p50 / p99 s" for g in groups] + ["ttft p50 s"]
+    lines = [f"# {result['meta']['workload']['name'] or 'benchmark'}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, s in result["systems"].items():
+        cells = [name, _f(s["throughput_tok_s"], "{:.1f}"), _f(s["wall_s"])]
+        cells += [f"{_p(s['latency_s'].get(g), 'p50')} / {_p(s['latency_s'].get(g), 'p99')}" for g in groups]
+        cells.append(_p(s["ttft_s"]["all"], "p50"))
+        lines.append("| " + " | ".join(cells) + " |")
+    for peer, r in result["ratios"].items():
+        cells = [f"{OURS} / {peer}", _f(r["throughput"], "{:.2f}x"), ""]
+        cells += [f"{_f(r['latency_p50'].get(g), '{:.2f}x')} / {_f(r['latency_p99'].get(g), '{:.2f}x')}"
+                  for g in groups]
+        cells.append(_f(r["ttft_p50"].get("all"), "{:.2f}x"))
+        lines.append("| " + " | ".join(cells) + " |")
+    fl = result.get("floor")
+    if fl:
+        lines += ["", f"Batch-1 decode floor: {_f(fl.get('floor_step_ms'), '{:.1f}')} ms "
+                      f"({_f(fl.get('weight_bytes') and fl['weight_bytes'] / 1e6, '{:.0f}')} MB of weights at "
+                      f"{_f(fl.get('read_bandwidth_gbs'), '{:.1f}')} GB/s); gpuserv's batch-1 step: "
+                      f"{_f(fl.get('gpuserv_batch1_step_ms'), '{:.1f}')} ms "
+                      f"(ratio {_f(fl.get('ratio'), '{:.2f}')})."]
+    m = result["meta"]
+    lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}, "
+                  f"{m['threads']} threads, torch {m['torch']}, transformers {m['transformers']}.", ""]
+    return "\n".join(lines)
+
+
+def plot_latency_cdf(path, runs: list[SystemRun], classes: list[str]) -> None:
+    """One panel per request class (plus "all" when there are several), one CDF line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: this runs on servers and in tests
+    import matplotlib.pyplot as plt
+
+    groups = ["all", *classes] if len(classes) > 1 else (classes or ["all"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        for run in runs:
+            lat = sorted(r.finish_s - r.arrival_s for r in run.requests if group == "all" or r.cls == group)
+            if lat:
+                # Start each line at 0 so that even a single request draws its jump.
+                frac = np.arange(0, len(lat) + 1) / len(lat)
+                ax.step([lat[0], *lat], frac, where="post", label=run.system)
+        ax.set_title(f"latency CDF: {group}")
+        ax.set_xlabel("latency (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
