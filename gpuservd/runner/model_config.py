@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuservd.errors import StoreCorrupt, UserError
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from gpuservd.store.layout import SUPPORTED_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
