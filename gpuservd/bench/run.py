@@ -20,7 +20,8 @@ def parse_peers(value: str) -> list[str]:
     names = [p.strip() for p in value.split(",") if p.strip()]
     bad = [p for p in names if p not in PEERS]
     if bad or not names:
-        raise UserError(f"--peers: unknown peer {', '.join(bad) or value!r}; choose from {', '.join(PEERS)} or none")
+        what = ", ".join(bad) if bad else repr(value)
+        raise UserError(f"--peers: unknown peer {what}; choose from {', '.join(PEERS)} or none")
     return names
 
 

@@ -62,7 +62,8 @@ class LLMEngine:
 
         config = config or EngineConfig(model=model_name)
         store = store or ModelStore()
-        return cls(model_name, store.path(model_name), config)
+        info = store.check(model_name)  # names the exact missing or damaged file before any load
+        return cls(model_name, info.path, config)
 
     @property
     def max_model_len(self) -> int:
