@@ -107,3 +107,15 @@ def test_refuses_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UserError, match="LlamaForCausalLM"):
         load_arch(tmp_path)
+
+
+def test_onednn_linear_pads_long_row_counts_exactly():
+    from gpuservd.runner.linear import Linear, onednn_available
+
+    if not onednn_available(torch.device("cpu"), torch.float32):
+        pytest.skip("torch built without oneDNN")
+    w, b = torch.randn(48, 32), torch.randn(48)
+    lin = Linear(w.clone(), b, use_onednn=True)
+    for rows in (1, 7, 64, 65, 100, 128):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
