@@ -1,5 +1,5 @@
 # gpuserv: the two commands a new machine needs (see README.md).
-#   make run   set up .venv, pull the default model, run the main job
+#   make run   set up .venv, pull the default model, run the smoke bench, then serve (Ctrl-C drains and stops)
 #   make test  set up .venv, pull the default model, run the test suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -23,8 +23,8 @@ model: $(STAMP)
 	$(BIN)/gpuserv pull smollm2
 
 run: model
-	$(BIN)/gpuserv generate "What is the capital of France? Answer in one sentence."
 	$(BIN)/gpuserv bench --workload profiles/workloads/smoke.yaml --peers none --out bench/runs/smoke
+	$(BIN)/gpuserv serve --demo "What is the capital of France? Answer in one sentence."
 
 test: model
 	$(BIN)/python -m pytest -q

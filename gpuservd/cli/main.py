@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from gpuservd.cli import store_cmds
+from gpuservd.cli import daemon_cmds, remote, store_cmds
 from gpuservd.errors import UserError
 
 app = typer.Typer(
@@ -24,8 +24,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(store_cmds.app, name="models")
+daemon_cmds.register(app, store_cmds.app)
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML (the daemon reads the same file).")
+ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
+LocalOpt = typer.Option(False, "--local", help="Run an in-process engine instead of asking the daemon.")
+
+
+def _remote_params(max_tokens, temperature, top_p, top_k, seed, stop, config) -> dict:
+    if config is not None:
+        raise UserError("--config applies to --local runs; the daemon reads its own config")
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k or None,
+            "seed": seed, "stop": list(stop) if stop else None}
 
 
 @app.command()
@@ -79,8 +88,14 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as plain text, without the chat template."),
     config: Optional[Path] = ConfigOpt,
+    local: bool = LocalOpt,
+    socket: Optional[Path] = daemon_cmds.SocketOpt,
 ) -> None:
-    """Generate a reply with an in-process engine, streaming it to the terminal."""
+    """Generate a reply through the daemon (or in-process with --local), streaming it to the terminal."""
+    if not local:
+        params = _remote_params(max_tokens, temperature, top_p, top_k, seed, stop, config)
+        remote.generate_remote(socket, model, prompt, raw, params)
+        return
     from gpuservd.engine.tokenizer import encode_chat, encode_raw
 
     params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop)
@@ -99,8 +114,14 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     system: Optional[str] = typer.Option(None, "--system", help="A system message for the conversation."),
     config: Optional[Path] = ConfigOpt,
+    local: bool = LocalOpt,
+    socket: Optional[Path] = daemon_cmds.SocketOpt,
 ) -> None:
-    """Chat with a model in the terminal (/reset clears the history, Ctrl-D quits)."""
+    """Chat with a model through the daemon, or in-process with --local (/reset clears, Ctrl-D quits)."""
+    if not local:
+        params = _remote_params(max_tokens, temperature, 1.0, 0, None, None, config)
+        remote.chat_remote(socket, model, system, params)
+        return
     from gpuservd.engine.tokenizer import encode_chat
 
     params = _sampling(max_tokens, temperature, 1.0, 0, None, None)
@@ -136,6 +157,36 @@ def chat(
             history.pop()
             continue
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+@app.command()
+def bench(
+    workload: Path = typer.Option(..., "--workload", "-w", help="Workload file (profiles/workloads/*.yaml)."),
+    config: Optional[Path] = ConfigOpt,
+    peers: str = typer.Option("hf_static,hf_continuous", "--peers", help="Comma list of hf_static, hf_continuous, or none."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-<workload>)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the workload's model."),
+    target: str = typer.Option("inprocess", "--target", help="inprocess, or socket: the workload through the "
+                               "running daemon's HTTP socket (its own config; no peers)."),
+    socket: Optional[Path] = daemon_cmds.SocketOpt,
+) -> None:
+    """Replay a workload on gpuserv and on transformers; write result.json, result.md and a latency CDF."""
+    if target not in ("inprocess", "socket"):
+        raise UserError(f"--target must be inprocess or socket, got {target!r}")
+    if target == "socket":
+        if config is not None:
+            raise UserError("--config applies to --target inprocess; the daemon reads its own config")
+        from gpuservd.bench.report import markdown
+
+        typer.echo(markdown(remote.bench_socket(workload, socket, out, model,
+                                                log=lambda m: typer.echo(m, err=True))))
+        return
+    from gpuservd.bench.run import parse_peers, run_bench
+
+    result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True))
+    from gpuservd.bench.report import markdown
+
+    typer.echo(markdown(result))
 
 
 def main() -> None:

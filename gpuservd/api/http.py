@@ -1,0 +1,152 @@
+"""HTTP plumbing shared by the routes: request ids, errors, auth, peer identity, streaming.
+
+`endpoint` wraps every route: it gives the request an id (in the
+X-Request-Id header and every log line), checks the TCP bearer token, and turns
+an APIError into its OpenAI-shaped body and anything unexpected into a 500
+that names the request id, whose traceback is logged under the same id. The
+daemon keeps serving either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gpuservd.api import protocol
+from gpuservd.api.protocol import APIError
+from gpuservd.tenants import TenantError
+
+log = logging.getLogger("gpuservd.api")
+
+
+def error_response(exc: APIError, request_id: str, metrics=None) -> JSONResponse:
+    if metrics is not None:
+        metrics.http_errors.labels(str(exc.status)).inc()
+    headers = {protocol.REQUEST_ID_HEADER: request_id, **exc.headers}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def peer(request: Request) -> tuple[str, int | None, int | None]:
+    """(via, uid, pid): via is "unix" or "tcp"; uid/pid come from SO_PEERCRED (see server.PeerCredProtocol)."""
+    state = request.scope.get("state") or {}
+    cred = state.get("peer")
+    return state.get("via", "unix"), (cred[1] if cred else None), (cred[0] if cred else None)
+
+
+def _check_auth(request: Request) -> None:
+    token = request.app.state.tcp_token
+    via, _, _ = peer(request)
+    if via != "tcp" or token is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, "missing or wrong bearer token (TCP clients must send Authorization: Bearer <token>)",
+                       "invalid_request_error", None, "invalid_api_key")
+
+
+def endpoint(prefix: str = "req", public: bool = False):
+    """Decorate a route: request id, auth (unless public), errors -> OpenAI-shaped responses."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        async def wrapped(request: Request):
+            request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            request.scope.setdefault("state", {})["request_id"] = request_id
+            metrics = request.app.state.metrics
+            try:
+                if not public:
+                    _check_auth(request)
+                response = await fn(request)
+            except APIError as exc:
+                return error_response(exc, request_id, metrics)
+            except Exception:
+                log.exception("internal error serving %s %s (request %s)", request.method, request.url.path,
+                              request_id)
+                return error_response(protocol.internal_error(request_id), request_id, metrics)
+            response.headers.setdefault(protocol.REQUEST_ID_HEADER, request_id)
+            return response
+
+        return wrapped
+
+    return deco
+
+
+def request_context(request: Request, serving):
+    """Who sent this request: request id, tenant (from the peer uid and the tenant header), peer."""
+    from gpuservd.request_stream import RequestContext
+
+    via, uid, pid = peer(request)
+    asked = request.headers.get(protocol.TENANT_HEADER)
+    trusted = via == "tcp" and request.app.state.tcp_token is not None
+    try:
+        tenant = serving.tenants.resolve(uid, asked, trusted=trusted)
+    except TenantError as exc:
+        serving.reject("tenant")
+        raise APIError(exc.status, str(exc), "permission_error" if exc.status == 403 else "invalid_request_error",
+                       "X-Gpuserv-Tenant", "tenant_not_allowed" if exc.status == 403 else "unknown_tenant") from None
+    return RequestContext(request.scope["state"]["request_id"], tenant, uid, pid, via)
+
+
+async def not_found(request: Request, exc) -> JSONResponse:
+    """Starlette's own 404/405 in OpenAI's shape."""
+    status = getattr(exc, "status_code", 404)
+    msg = (f"no route {request.method} {request.url.path}" if status == 404
+           else f"method {request.method} is not allowed on {request.url.path}")
+    err = APIError(status, msg, "invalid_request_error", None, "not_found" if status == 404 else "method_not_allowed")
+    return error_response(err, f"req-{uuid.uuid4().hex[:24]}", request.app.state.metrics)
+
+
+class StreamResponse:
+    """A streaming ASGI response that notices a client leaving at once, not at the next write.
+
+    The body runs beside a task that waits for `http.disconnect`; whichever
+    ends first cancels the other. `on_close(disconnected)` always runs, even
+    when the body never started, so the request is aborted and its admission
+    released on every path.
+    """
+
+    def __init__(self, body, on_close, media_type: str, headers: dict | None = None, status_code: int = 200):
+        self.body = body
+        self.on_close = on_close
+        self.status_code = status_code
+        self.headers = {"content-type": media_type, **(headers or {})}
+
+    async def __call__(self, scope, receive, send) -> None:
+        raw = [(k.lower().encode(), str(v).encode()) for k, v in self.headers.items()]
+
+        async def pump():
+            await send({"type": "http.response.start", "status": self.status_code, "headers": raw})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch():
+            while True:
+                if (await receive())["type"] == "http.disconnect":
+                    return
+
+        pump_task = asyncio.ensure_future(pump())
+        watch_task = asyncio.ensure_future(watch())
+        disconnected = False
+        try:
+            done, _ = await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            disconnected = watch_task in done and not pump_task.done()
+        finally:
+            for task in (pump_task, watch_task):
+                task.cancel()
+            await asyncio.gather(pump_task, watch_task, return_exceptions=True)
+            close = getattr(self.body, "aclose", None)
+            if close is not None:
+                await close()
+            self.on_close(disconnected)
+        if pump_task.done() and not pump_task.cancelled() and pump_task.exception() is not None:
+            raise pump_task.exception()

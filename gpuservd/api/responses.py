@@ -1,0 +1,104 @@
+"""OpenAI-shaped response bodies and server-sent events (no torch, no I/O).
+
+A stream is `data: <chunk json>` events ending with `data: [DONE]`; with
+`stream_options.include_usage` every chunk carries `"usage": null` and one
+last chunk with no choices carries the usage, as OpenAI sends them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
+                        prompt_tokens: int, completion_tokens: int, token_ids: list[int] | None = None,
+                        created: int | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "text_completion", "created": created or int(time.time()), "model": model,
+            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
+                  prompt_tokens: int, completion_tokens: int, token_ids: list[int] | None = None,
+                  created: int | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def stream_chunk(kind: str, request_id: str, model: str, created: int, text: str | None,
+                 finish_reason: str | None = None, token_ids: list[int] | None = None, role: bool = False,
+                 include_usage: bool = False) -> dict:
+    """One SSE chunk; `text=None` with role=True is chat's opening chunk."""
+    if kind == "chat":
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    chunk = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None  # OpenAI sends usage: null on every chunk but the last
+    return chunk
+
+
+class ChunkEncoder:
+    """SSE chunks of one stream, fast: the JSON around the new text is rendered once per stream.
+
+    Byte-for-byte what `sse(stream_chunk(...))` gives (a test checks); only a
+    chunk that carries a finish_reason takes the slow path.
+    """
+
+    _TEXT, _IDS = "@@gpuserv-text@@", "@@gpuserv-ids@@"
+
+    def __init__(self, kind: str, request_id: str, model: str, created: int, token_ids: bool, include_usage: bool):
+        self.args = (kind, request_id, model, created)
+        self.token_ids = token_ids
+        self.include_usage = include_usage
+        chunk = stream_chunk(kind, request_id, model, created, self._TEXT, None,
+                             [self._IDS] if token_ids else None, include_usage=include_usage)
+        raw = sse(chunk).decode()
+        self._head, rest = raw.split(json.dumps(self._TEXT), 1)
+        self._mid, self._tail = rest.split(json.dumps([self._IDS]), 1) if token_ids else (rest, "")
+
+    def encode(self, text: str, finish_reason: str | None = None, token_ids: list[int] | None = None) -> bytes:
+        if finish_reason is not None:
+            return sse(stream_chunk(*self.args, text, finish_reason, token_ids if self.token_ids else None,
+                                    include_usage=self.include_usage))
+        if self.token_ids:
+            ids = "[" + ",".join(map(str, token_ids or [])) + "]"
+            return (self._head + json.dumps(text) + self._mid + ids + self._tail).encode()
+        return (self._head + json.dumps(text) + self._mid).encode()
+
+
+def usage_chunk(kind: str, request_id: str, model: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"

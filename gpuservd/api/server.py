@@ -1,0 +1,86 @@
+"""The ASGI app (Starlette) and its server (uvicorn) on a Unix socket, optionally TCP.
+
+Listening sockets are made by the daemon (so it controls the socket file's
+mode and group, and can take them from systemd socket activation) and handed
+to uvicorn. uvicorn's own signal handling is switched off: SIGTERM means
+*drain* here, which the daemon implements.
+
+Peer identity: uvicorn does not put the transport in the ASGI scope, so
+`PeerCredProtocol` (uvicorn's h11 protocol) reads SO_PEERCRED once per
+connection and puts (pid, uid, gid) in the scope's `state`, where every
+request of that connection sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gpuservd.api import admin_routes, openai_routes
+from gpuservd.api.http import not_found
+
+log = logging.getLogger("gpuservd.api")
+
+_CRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+def peer_credentials(sock) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of a Unix-socket peer, None for other sockets."""
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    except OSError:
+        return None
+
+
+class PeerCredProtocol(H11Protocol):
+    """uvicorn's h11 protocol plus the peer's credentials in scope["state"]."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        unix = sock is not None and sock.family == socket.AF_UNIX
+        self.app_state = {**self.app_state, "peer": peer_credentials(sock) if unix else None,
+                          "via": "unix" if unix else "tcp"}
+
+
+def build_app(serving, metrics, controller, tcp_token: str | None = None) -> Starlette:
+    app = Starlette(
+        routes=openai_routes.routes(serving) + admin_routes.routes(serving, controller),
+        exception_handlers={HTTPException: not_found},
+    )
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.tcp_token = tcp_token
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn without its signal handlers (the daemon owns SIGTERM/SIGINT/SIGHUP)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def make_server(app, backlog: int = 2048) -> Server:
+    config = uvicorn.Config(
+        app,
+        http=PeerCredProtocol,
+        lifespan="off",
+        log_config=None,  # the daemon configures logging
+        access_log=False,  # we log each request ourselves, with its peer uid and tenant
+        backlog=backlog,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+        ws="none",
+    )
+    return Server(config)

@@ -1,0 +1,49 @@
+"""What GET /admin/status returns, as dataclasses the CLI and the console read (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelStatus:
+    """One model as /admin/status reports it."""
+
+    name: str
+    state: str  # loading | ready | unloading | failed
+    pinned: bool  # pinned models are never unloaded (nor evicted)
+    device: str  # cpu | cuda:N
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int  # tokens per block
+    num_running: int  # in the engine's batch
+    num_waiting: int  # in the engine's queue
+    num_in_flight: int  # admitted by the API and not yet answered
+    max_model_len: int  # context length
+    num_steps: int  # engine steps so far
+    error: str | None = None  # why it failed (state == failed)
+
+
+@dataclass
+class DaemonStatus:
+    """GET /admin/status."""
+
+    version: str
+    pid: int
+    uptime_s: float
+    state: str  # starting | serving | draining
+    device: dict  # {"backend": "cpu" | "cuda", "name": ..., ...}
+    socket: str | None  # Unix socket path
+    tcp: str | None  # host:port when TCP is on
+    models: list[ModelStatus]
+    num_in_flight: int  # over all models
+    num_requests_total: int  # admitted since start
+    num_rejected_total: int  # refused with 4xx/5xx since start
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DaemonStatus":
+        known = {f for f in cls.__dataclass_fields__}
+        fields = {k: v for k, v in data.items() if k in known}
+        mknown = set(ModelStatus.__dataclass_fields__)
+        fields["models"] = [ModelStatus(**{k: v for k, v in m.items() if k in mknown}) for m in data.get("models", [])]
+        return cls(**fields)

@@ -1,0 +1,117 @@
+"""`gpuserv generate`, `gpuserv chat` and `gpuserv bench --target socket` through the daemon.
+
+The in-process variants (--local, --target inprocess) stay in gpuservd.cli.main
+and gpuservd.bench; these hand off to gpuservd.api.client. When no daemon
+answers, generate and chat say so on one line, with how to start one and how
+to run in-process instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpuservd.api.client import Client, DaemonUnavailable
+from gpuservd.errors import UserError
+
+
+
+def _no_daemon(exc: DaemonUnavailable) -> UserError:
+    return UserError(f"{exc}; or run in-process with --local")
+
+
+def generate_remote(socket: Optional[Path], model: str, prompt: str, raw: bool, params: dict) -> None:
+    """`gpuserv generate` through the daemon: stream the reply to stdout, the token count to stderr."""
+    usage, finish = None, None
+    try:
+        with Client(socket) as client:
+            stream = (client.completion_stream(model, prompt, **params) if raw else
+                      client.chat_stream(model, [{"role": "user", "content": prompt}], **params))
+            for delta in stream:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                finish = delta.finish_reason or finish
+                usage = delta.usage or usage
+    except DaemonUnavailable as exc:
+        raise _no_daemon(exc) from None
+    sys.stdout.write("\n")
+    if usage:
+        typer.echo(f"[{usage['completion_tokens']} tokens, finish: {finish}]", err=True)
+
+
+def chat_remote(socket: Optional[Path], model: str, system: Optional[str], params: dict) -> None:
+    """`gpuserv chat` through the daemon."""
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    with Client(socket) as client:
+        try:
+            client.health()
+        except DaemonUnavailable as exc:
+            raise _no_daemon(exc) from None
+        typer.echo(f"chatting with {model} through {client.where}; /reset clears the history, Ctrl-D quits", err=True)
+        while True:
+            try:
+                line = input("you> ")
+            except (EOFError, KeyboardInterrupt):
+                typer.echo("", err=True)
+                return
+            if line.strip() == "/reset":
+                history = history[:1] if system else []
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = []
+            try:
+                sys.stdout.write(f"{model}> ")
+                for delta in client.chat_stream(model, history, **params):
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                    reply.append(delta.text)
+                sys.stdout.write("\n")
+            except KeyboardInterrupt:  # closing the stream aborts the request on the daemon
+                sys.stdout.write(" [interrupted]\n")
+            except UserError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                history.pop()
+                continue
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def bench_socket(workload_path: Path, socket: Optional[Path], out_dir: Optional[Path], model: Optional[str],
+                 log=print) -> dict:
+    """`gpuserv bench --target socket`: the workload through a running daemon's HTTP socket, same report."""
+    from gpuservd.api.bench_socket import run_socket
+    from gpuservd.bench.report import write_report
+    from gpuservd.bench.workload import load_workload
+    from gpuservd.engine.tokenizer import load_tokenizer
+    from gpuservd.store.store import ModelStore
+
+    workload = load_workload(workload_path)
+    name = model or workload.model
+    model_dir = ModelStore().path(name)  # the tokenizer only: prompts are sent as token ids
+    tok = load_tokenizer(model_dir)
+    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+    eos = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+                  *([tok.eos_token_id] if tok.eos_token_id is not None else [])})
+    requests = workload.materialize(len(tok), eos, tokenize=lambda s: tok.encode(s))
+    with Client(socket) as client:
+        st = client.status_dict()  # one line and exit 2 when no daemon answers
+        path = client.where
+    if name not in [m["name"] for m in st["models"] if m["state"] == "ready"]:
+        raise UserError(f"the daemon at {path} does not serve {name}; load it: gpuserv models load {name}")
+    log(f"gpuserv through {path}: {len(requests)} requests to {name}")
+    run = run_socket(path, requests, name)
+    if run.extra["errors"]:
+        raise UserError(f"{len(run.extra['errors'])} requests failed, first: {run.extra['errors'][0]}")
+    log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s")
+    out_dir = out_dir or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{workload.name}-socket"
+    config = {"target": "socket", "socket": path, "daemon_version": st["version"], "device": st["device"],
+              "threads": st["device"].get("num_threads")}
+    result = write_report(out_dir, workload, [run], None, config)
+    log(f"wrote {out_dir}/result.json, result.md, latency_cdf.png")
+    return result

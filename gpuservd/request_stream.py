@@ -1,0 +1,140 @@
+"""One admitted request on the event loop side, and the model slot it runs on.
+
+`ActiveRequest.batches()` yields the engine's outputs for the request (several
+at once when the HTTP writer lagged: a stream coalesces them into one chunk);
+`close()` runs on every path (finished, client gone, error): it aborts an
+unfinished request in the engine, releases its admission counters and logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpuservd.api import protocol
+from gpuservd.api.protocol import GenerationRequest
+from gpuservd.engine_loop import Accepted, EngineLoop, Failed
+from gpuservd.tenants import Tenant
+
+if TYPE_CHECKING:
+    from gpuservd.serving import Serving
+
+
+@dataclass
+class RequestContext:
+    """Who sent a request and when."""
+
+    request_id: str
+    tenant: Tenant
+    uid: int | None  # peer uid (SO_PEERCRED); None over TCP
+    pid: int | None  # peer pid
+    via: str  # "unix" | "tcp"
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class ModelSlot:
+    """One model the daemon hosts (or is loading, or failed to load)."""
+
+    def __init__(self, name: str, config, pinned: bool = False):
+        self.name = name
+        self.config = config  # its EngineConfig
+        self.state = "loading"  # loading | ready | unloading | failed
+        self.created = time.time()  # when the load started (wall clock, for /v1/models)
+        self.pinned = pinned
+        self.error: str | None = None
+        self.loop: EngineLoop | None = None
+        self.tokenizer = None  # the API's own copy: encoding never shares the engine thread's tokenizer
+        self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"encode-{name}")
+        self.max_model_len = 0
+        self.loaded = asyncio.Event()
+        self.num_queued = 0
+        self.num_in_flight = 0
+        self.finish_times: deque[float] = deque(maxlen=256)  # monotonic, for Retry-After
+
+    def retry_after_s(self) -> int:
+        """Seconds until a queue slot is likely free: the recent completion rate, 1..30."""
+        now = time.monotonic()
+        recent = [t for t in self.finish_times if now - t < 10.0]
+        return 5 if not recent else max(1, min(30, math.ceil(10.0 / len(recent))))
+
+
+class RequestSink:
+    """Where the engine thread's outputs for one request land (on the event loop)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.queue.put_nowait(item)
+
+
+class ActiveRequest:
+    """An admitted request: iterate `batches()` for its outputs; `close()` always runs (finally)."""
+
+    def __init__(self, serving: "Serving", slot: ModelSlot, ctx: RequestContext, greq: GenerationRequest):
+        self.serving = serving
+        self.slot = slot
+        self.ctx = ctx
+        self.greq = greq
+        self.sink = RequestSink()
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.first_token_at: float | None = None
+        self.queued = True
+        self.done = False
+        self.closed = False
+        self.status = 200
+
+    async def batches(self):
+        """Lists of RequestOutputs as they arrive (several when the reader lagged); ends after the last."""
+        while not self.done:
+            items = [await self.sink.queue.get()]
+            while not self.sink.queue.empty():
+                items.append(self.sink.queue.get_nowait())
+            outs = []
+            for item in items:
+                if isinstance(item, Failed):
+                    self.done = True
+                    self.status = 500
+                    raise protocol.internal_error(self.ctx.request_id)
+                if isinstance(item, Accepted):
+                    continue
+                outs.append(item)
+                self.num_output_tokens = item.num_output_tokens
+                if item.new_token_ids and self.queued:
+                    self.first_token_at = time.monotonic()
+                    self._dequeue()
+                if item.finished:
+                    self.done = True
+                    self.finish_reason = item.finish_reason.value if item.finish_reason else None
+            if outs:
+                yield outs
+
+    def abort(self) -> None:
+        if not self.done and self.slot.loop is not None:
+            self.slot.loop.abort(self.ctx.request_id)
+
+    def _dequeue(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.slot.num_queued -= 1
+            self.serving.tenant_queued[self.ctx.tenant.name] -= 1
+
+    def close(self, disconnected: bool = False) -> None:
+        """Release admission counters, abort if unfinished (client gone), log the request."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.done:
+            self.abort()
+            self.finish_reason = "abort"
+            if disconnected:
+                self.status = 499  # nginx's "client closed request", in the log only
+        self._dequeue()
+        self.serving._release(self)

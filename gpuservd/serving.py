@@ -1,0 +1,371 @@
+"""What the HTTP layer serves: the loaded models, admission control, request streams, drain.
+
+Runs on the event loop; each model's engine runs on its own EngineLoop thread.
+Admission (MISSION S8, O4) is decided here before a request reaches an engine:
+draining -> 503, unknown model -> 404, a full per-model or per-tenant queue ->
+429 with Retry-After. A request counts as *queued* from admission until its
+first token, and as *in flight* until its last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import time
+from dataclasses import asdict
+
+from gpuservd import __version__
+from gpuservd.api import protocol
+from gpuservd.api.protocol import APIError, GenerationRequest
+from gpuservd.api.status import DaemonStatus, ModelStatus
+from gpuservd.daemon_config import DaemonConfig
+from gpuservd.engine_loop import Accepted, EngineLoop, Failed, Submission
+from gpuservd.errors import UserError
+from gpuservd.events import EventBus
+from gpuservd.request_stream import ActiveRequest, ModelSlot, RequestContext
+from gpuservd.tenants import TenantMap
+
+log = logging.getLogger("gpuservd.serving")
+access_log = logging.getLogger("gpuservd.access")
+
+
+class Serving:
+    """Models, admission and request streams; the HTTP routes call into this."""
+
+    def __init__(self, config: DaemonConfig, tenants: TenantMap, metrics=None, bus: EventBus | None = None,
+                 device: dict | None = None):
+        self.config = config
+        self.tenants = tenants
+        self.metrics = metrics  # api.metrics.Metrics (None in some tests)
+        self.bus = bus or EventBus(config.server.event_queue_size)
+        self.device = device or {"backend": "cpu"}
+        self.slots: dict[str, ModelSlot] = {}
+        self.active: dict[str, ActiveRequest] = {}
+        self.tenant_queued: dict[str, int] = {}
+        self.tenant_in_flight: dict[str, int] = {}
+        self.state = "starting"  # starting | serving | draining
+        self.started = time.monotonic()
+        self.num_requests_total = 0
+        self.num_rejected_total = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._drain_task: asyncio.Task | None = None
+        self.socket: str | None = None  # set by the daemon for /admin/status
+        self.tcp: str | None = None
+
+    # ---- admission --------------------------------------------------------------------------------
+    def reject(self, reason: str) -> None:
+        self.num_rejected_total += 1
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+
+    def model_names(self, ready_only: bool = True) -> list[str]:
+        return sorted(n for n, s in self.slots.items() if s.state == "ready" or not ready_only)
+
+    def _admit(self, greq: GenerationRequest, ctx: RequestContext) -> ModelSlot:
+        if self.state == "draining":
+            self.reject("draining")
+            raise protocol.unavailable("the daemon is draining and admits no new requests", "draining")
+        slot = self.slots.get(greq.model)
+        if slot is None or slot.state == "failed":
+            self.reject("model_not_found")
+            hint = f" ({greq.model} failed to load: {slot.error})" if slot else ""
+            raise protocol.model_not_found(greq.model, self.model_names(), hint)
+        if slot.state != "ready":
+            self.reject(slot.state)
+            raise protocol.unavailable(f"model {greq.model} is {slot.state}; retry shortly", f"model_{slot.state}", 5)
+        limit = self.config.server.max_queued_per_model
+        if slot.num_queued >= limit:
+            self.reject("queue_full")
+            raise protocol.rate_limited(f"model {greq.model} has {slot.num_queued} requests waiting (limit {limit}); "
+                                        "retry later", slot.retry_after_s())
+        t = ctx.tenant
+        tlimit = t.max_queued or self.config.server.max_queued_per_tenant
+        if self.tenant_queued.get(t.name, 0) >= tlimit:
+            self.reject("tenant_queue_full")
+            raise protocol.rate_limited(f"tenant {t.name} has {self.tenant_queued[t.name]} requests waiting "
+                                        f"(limit {tlimit}); retry later", slot.retry_after_s())
+        if t.max_in_flight and self.tenant_in_flight.get(t.name, 0) >= t.max_in_flight:
+            self.reject("tenant_in_flight")
+            raise protocol.rate_limited(f"tenant {t.name} has {t.max_in_flight} unfinished requests (its limit); "
+                                        "retry later", slot.retry_after_s())
+        return slot
+
+    def _encode(self, slot: ModelSlot, greq: GenerationRequest) -> list[int]:
+        """Token ids of the prompt (runs on the model's encoder thread)."""
+        from gpuservd.engine.tokenizer import encode_chat, encode_raw
+
+        if greq.kind == "chat":
+            return encode_chat(slot.tokenizer, greq.messages)
+        if greq.prompt_token_ids is not None:
+            return greq.prompt_token_ids
+        return encode_raw(slot.tokenizer, greq.prompt)
+
+    def _sampling(self, greq: GenerationRequest, num_prompt_tokens: int, slot: ModelSlot):
+        from gpuservd.engine.request import SamplingParams
+
+        max_tokens = greq.max_tokens
+        if max_tokens is None:  # chat without a limit: the rest of the context, as vLLM does
+            max_tokens = slot.max_model_len - num_prompt_tokens
+            if max_tokens < 1:
+                raise protocol.bad_request(f"the messages take {num_prompt_tokens} tokens and fill the context "
+                                           f"length {slot.max_model_len}; shorten them", "messages")
+        return SamplingParams(max_tokens=max_tokens, temperature=greq.temperature, top_k=greq.top_k,
+                              top_p=greq.top_p, seed=greq.seed, stop=list(greq.stop), ignore_eos=greq.ignore_eos,
+                              detokenize=greq.detokenize)
+
+    async def start(self, greq: GenerationRequest, ctx: RequestContext) -> ActiveRequest:
+        """Admit, tokenize and queue a request; returns once the engine accepted it (else raises APIError)."""
+        slot = self._admit(greq, ctx)
+        active = ActiveRequest(self, slot, ctx, greq)
+        tname = ctx.tenant.name
+        slot.num_queued += 1
+        slot.num_in_flight += 1
+        self.tenant_queued[tname] = self.tenant_queued.get(tname, 0) + 1
+        self.tenant_in_flight[tname] = self.tenant_in_flight.get(tname, 0) + 1
+        self.active[ctx.request_id] = active
+        self._idle.clear()
+        self.num_requests_total += 1
+        submitted = False
+        try:
+            try:
+                ids = greq.prompt_token_ids if greq.prompt_token_ids is not None else \
+                    await asyncio.get_running_loop().run_in_executor(slot.encoder, self._encode, slot, greq)
+            except UserError as exc:
+                raise protocol.bad_request(str(exc), "messages" if greq.kind == "chat" else "prompt") from None
+            active.num_prompt_tokens = len(ids)
+            params = self._sampling(greq, len(ids), slot)
+            priority = ctx.tenant.effective_priority(greq.priority)
+            if slot.loop is None or slot.state != "ready":
+                raise protocol.unavailable(f"model {greq.model} is {slot.state}; retry shortly", "model_unavailable", 5)
+            slot.loop.submit(Submission(ctx.request_id, ids, params, active.sink, priority, tname, ctx.arrival))
+            submitted = True
+            first = await active.sink.queue.get()
+            if isinstance(first, Failed):
+                if first.internal:
+                    raise protocol.internal_error(ctx.request_id)
+                msg = str(first.error)
+                param = "max_tokens" if "max_tokens" in msg else ("prompt" if greq.kind == "completion" else "messages")
+                raise protocol.bad_request(msg, param, "context_length_exceeded" if "context" in msg else "invalid_value")
+            if not isinstance(first, Accepted):  # an abort raced the acceptance (drain): hand the output back
+                active.sink.queue.put_nowait(first)
+            return active
+        except BaseException as exc:
+            if submitted and not isinstance(exc, APIError):  # cancelled while queued: drop it from the engine
+                slot.loop.abort(ctx.request_id)
+            active.done = True
+            active.status = exc.status if isinstance(exc, APIError) else 500
+            if isinstance(exc, APIError):
+                self.reject("bad_request" if exc.status == 400 else f"http_{exc.status}")
+            active.close()
+            raise
+
+    def _release(self, active: ActiveRequest) -> None:
+        slot, ctx = active.slot, active.ctx
+        slot.num_in_flight -= 1
+        self.tenant_in_flight[ctx.tenant.name] -= 1
+        self.active.pop(ctx.request_id, None)
+        if not self.active:
+            self._idle.set()
+        now = time.monotonic()
+        if active.status == 200:
+            slot.finish_times.append(now)
+        ttft = (active.first_token_at - ctx.arrival) if active.first_token_at else None
+        event = {"type": "request_finished", "t": time.time(), "model": slot.name, "request_id": ctx.request_id,
+                 "tenant": ctx.tenant.name, "uid": ctx.uid, "status": active.status,
+                 "finish_reason": active.finish_reason, "num_prompt_tokens": active.num_prompt_tokens,
+                 "num_output_tokens": active.num_output_tokens, "ttft_s": ttft, "e2e_s": now - ctx.arrival}
+        self.bus.publish(event)
+        if self.config.server.log_requests:
+            access_log.info(
+                "%s %s uid=%s pid=%s tenant=%s model=%s status=%s finish=%s prompt=%d output=%d ttft_ms=%s e2e_ms=%.1f",
+                ctx.request_id, ctx.via, ctx.uid, ctx.pid, ctx.tenant.name, slot.name, active.status,
+                active.finish_reason, active.num_prompt_tokens, active.num_output_tokens,
+                f"{ttft * 1000:.1f}" if ttft is not None else "-", (now - ctx.arrival) * 1000)
+
+    def on_post(self, deliveries: list, events: list) -> None:
+        """From an engine thread, once per iteration: outputs to their requests, events to readers."""
+        for sink, item in deliveries:
+            sink.put(item)
+        for event in events:
+            self.bus.publish(event)
+
+    # ---- models -----------------------------------------------------------------------------------
+    async def load(self, name: str, pinned: bool = False) -> ModelSlot:
+        """Load a model from the store onto its own engine thread; returns when it serves (or failed)."""
+        slot = self.slots.get(name)
+        if slot is not None and slot.state in ("ready", "loading"):
+            await slot.loaded.wait()
+            return slot
+        from gpuservd.store.store import ModelStore
+
+        model_dir = ModelStore().path(name)  # ModelNotFound names the models in the store
+        cfg = copy.deepcopy(self.config.engine)
+        cfg.model = name
+        slot = ModelSlot(name, cfg, pinned=pinned)
+        self.slots[name] = slot
+        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "start"})
+        t0 = time.monotonic()
+        from gpuservd.engine.engine import LLMEngine
+        from gpuservd.engine.tokenizer import load_tokenizer
+
+        loop = EngineLoop(name, lambda: LLMEngine(name, model_dir, cfg), asyncio.get_running_loop(), self.on_post,
+                          self.metrics, self.config.server.admission_window_ms / 1000)
+        try:
+            loop.start()
+            engine = await asyncio.wrap_future(loop.ready)
+            slot.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        except Exception as exc:
+            loop.stop()
+            slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}" if not isinstance(exc, UserError) else str(exc)
+            slot.loaded.set()
+            log.error("model %s failed to load: %s", name, slot.error, exc_info=not isinstance(exc, UserError))
+            self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "failed",
+                              "error": slot.error})
+            raise
+        slot.max_model_len = engine.max_model_len
+        if self.metrics is not None:
+            self.metrics.add_model(name)
+        slot.loop = loop
+        slot.state = "ready"
+        slot.loaded.set()
+        took = time.monotonic() - t0
+        log.info("model %s ready in %.1f s (%d KV blocks of %d tokens, context %d)", name, took,
+                 engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
+        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "ready", "load_s": took})
+        return slot
+
+    def _slot(self, name: str) -> ModelSlot:
+        slot = self.slots.get(name)
+        if slot is None:
+            raise APIError(404, f"model {name} is not loaded; loaded: {', '.join(self.model_names(False)) or 'none'}",
+                           "invalid_request_error", "model", "model_not_found")
+        return slot
+
+    async def unload(self, name: str, timeout: float | None = None, force: bool = False) -> dict:
+        """Stop admitting for the model, let its requests finish (up to timeout), abort the rest, free it."""
+        slot = self._slot(name)
+        if slot.pinned and not force:
+            raise APIError(409, f"model {name} is pinned; unpin it first (gpuserv models pin {name} --off)",
+                           "invalid_request_error", "model", "model_pinned")
+        if slot.state == "loading":
+            await slot.loaded.wait()
+        slot.state = "unloading"
+        timeout = self.config.server.drain_timeout if timeout is None else timeout
+        finished, aborted = await self._wait_then_abort([a for a in self.active.values() if a.slot is slot], timeout)
+        if slot.loop is not None:
+            await asyncio.to_thread(slot.loop.stop)
+        slot.encoder.shutdown(wait=False)
+        self.slots.pop(name, None)
+        self.bus.publish({"type": "model_unload", "t": time.time(), "model": name, "num_aborted": aborted})
+        log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
+        return {"model": name, "num_finished": finished, "num_aborted": aborted}
+
+    def pin(self, name: str, pinned: bool) -> dict:
+        slot = self._slot(name)
+        slot.pinned = pinned
+        self.bus.publish({"type": "model_pin", "t": time.time(), "model": name, "pinned": pinned})
+        return {"model": name, "pinned": pinned}
+
+    # ---- requests, drain --------------------------------------------------------------------------
+    def cancel(self, request_id: str) -> bool:
+        active = self.active.get(request_id)
+        if active is None:
+            return False
+        active.abort()
+        return True
+
+    async def _wait_then_abort(self, actives: list[ActiveRequest], timeout: float) -> tuple[int, int]:
+        """Wait up to timeout for these requests to end; abort the rest. Returns (finished, aborted)."""
+        ids = {a.ctx.request_id for a in actives}
+        deadline = time.monotonic() + timeout
+        while any(i in self.active for i in ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = [self.active[i] for i in ids if i in self.active]
+        for a in left:
+            a.abort()
+        end = time.monotonic() + 10.0
+        while any(i in self.active for i in ids) and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return len(ids) - len(left), len(left)
+
+    async def drain(self, timeout: float | None = None) -> dict:
+        """Stop admitting (503), let in-flight requests finish up to timeout, abort the rest (idempotent)."""
+        if self._drain_task is None:
+            self.state = "draining"
+            timeout = self.config.server.drain_timeout if timeout is None else timeout
+            log.info("draining: %d requests in flight, waiting up to %.0f s", len(self.active), timeout)
+            self.bus.publish({"type": "drain", "t": time.time(), "phase": "start", "num_in_flight": len(self.active),
+                              "timeout_s": timeout})
+            self._drain_task = asyncio.ensure_future(self._wait_then_abort(list(self.active.values()), timeout))
+        finished, aborted = await asyncio.shield(self._drain_task)
+        self.bus.publish({"type": "drain", "t": time.time(), "phase": "done", "num_finished": finished,
+                          "num_aborted": aborted})
+        return {"num_finished": finished, "num_aborted": aborted}
+
+    def abort_all(self) -> None:
+        for a in list(self.active.values()):
+            a.abort()
+
+    def resume(self) -> None:
+        """Admit again after a drain that did not exit."""
+        self._drain_task = None
+        self.state = "serving"
+
+    async def stop_engines(self) -> None:
+        for slot in list(self.slots.values()):
+            if slot.loop is not None:
+                await asyncio.to_thread(slot.loop.stop)
+            slot.encoder.shutdown(wait=False)
+
+    # ---- status -----------------------------------------------------------------------------------
+    def model_status(self, slot: ModelSlot) -> ModelStatus:
+        snap = slot.loop.snapshot if slot.loop is not None else None
+        return ModelStatus(
+            name=slot.name, state=slot.state, pinned=slot.pinned, device=slot.config.device,
+            kv_blocks_total=snap.kv_blocks_total if snap else 0,
+            kv_blocks_free=(snap.kv_blocks_total - snap.kv_blocks_used) if snap else 0,
+            kv_block_size=slot.config.block_size, num_running=snap.num_running if snap else 0,
+            num_waiting=snap.num_waiting if snap else 0, num_in_flight=slot.num_in_flight,
+            max_model_len=slot.max_model_len, num_steps=snap.num_steps if snap else 0, error=slot.error)
+
+    def status(self) -> dict:
+        st = DaemonStatus(
+            version=__version__, pid=os.getpid(), uptime_s=round(time.monotonic() - self.started, 3),
+            state=self.state, device=self.device, socket=self.socket, tcp=self.tcp,
+            models=[self.model_status(s) for _, s in sorted(self.slots.items())], num_in_flight=len(self.active),
+            num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total)
+        data = asdict(st)
+        data["tenants"] = {name: {"queued": self.tenant_queued.get(name, 0),
+                                  "in_flight": self.tenant_in_flight.get(name, 0)} for name in self.tenants.names()}
+        srv = self.config.server
+        data["limits"] = {"max_queued_per_model": srv.max_queued_per_model,
+                          "max_queued_per_tenant": srv.max_queued_per_tenant, "drain_timeout": srv.drain_timeout}
+        data["events"] = {"subscribers": self.bus.num_subscribers, "published": self.bus.num_published,
+                          "dropped": self.bus.num_dropped}
+        return data
+
+    async def requests(self) -> list[dict]:
+        """The unfinished requests, with the engine's view of each (state, tokens, preemptions)."""
+        views: dict[str, dict] = {}
+        for slot in list(self.slots.values()):
+            if slot.loop is None or not slot.loop.alive:
+                continue
+
+            def inspect(engine):
+                return {rid: {"state": r.state.name.lower(), "num_output_tokens": len(r.output_token_ids),
+                              "num_preemptions": r.num_preemptions, "priority": r.priority}
+                        for rid, r in engine.requests.items()}
+
+            views.update(await asyncio.wrap_future(slot.loop.call(inspect)))
+        now = time.monotonic()
+        out = []
+        for rid, a in self.active.items():
+            row = {"request_id": rid, "model": a.slot.name, "tenant": a.ctx.tenant.name, "uid": a.ctx.uid,
+                   "age_s": round(now - a.ctx.arrival, 3), "num_prompt_tokens": a.num_prompt_tokens,
+                   "state": "tokenizing", "num_output_tokens": a.num_output_tokens, "num_preemptions": 0}
+            row.update(views.get(rid, {}))
+            out.append(row)
+        return out

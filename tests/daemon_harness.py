@@ -1,0 +1,177 @@
+"""Start the real daemon as a subprocess on a temporary socket, with a real NOTIFY_SOCKET.
+
+Used by the daemon test modules (one daemon per module where possible). The
+tiny test model is imported into a temporary store under the name "tiny".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+BASE_CONFIG = {
+    "engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
+    "server": {"models": ["tiny"]},
+}
+
+
+def make_home(tmp: Path, model_dir: Path, names=("tiny",), context: int = 2048) -> Path:
+    """A GPUSERV_HOME with the tiny model in its store under each name.
+
+    The context is raised (RoPE has no position table, so only config.json changes)
+    so that one request can run for a couple of thousand steps: long enough for a
+    test to disconnect, cancel or drain while it runs.
+    """
+    import json
+    import shutil
+
+    from gpuservd.store.store import ModelStore
+
+    src = tmp / "model-src"
+    shutil.copytree(model_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["max_position_embeddings"] = context
+    (src / "config.json").write_text(json.dumps(cfg))
+    home = tmp / "home"
+    store = ModelStore(home / "models")
+    for name in names:
+        store.import_dir(src, name)
+    return home
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for k, v in (extra or {}).items():
+        out[k] = deep_merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class NotifyListener:
+    """A real datagram socket standing in for systemd's NOTIFY_SOCKET."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.messages: list[str] = []
+
+    def count(self, line: str) -> int:
+        return sum(line in m.splitlines() for m in self.messages)
+
+    def wait_for(self, line: str, timeout: float = 60.0, n: int = 1) -> list[str]:
+        """Read datagrams until `n` of them hold `line` (e.g. "READY=1"); returns all messages so far."""
+        deadline = time.monotonic() + timeout
+        while self.count(line) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {line} (x{n}) from the daemon in {timeout} s; got {self.messages}")
+            self.sock.settimeout(left)
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except socket.timeout:
+                continue
+        return self.messages
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class DaemonProcess:
+    """A gpuservd subprocess; its log goes to a file the tests can read."""
+
+    def __init__(self, tmp: Path, home: Path, config: dict | None = None, env: dict | None = None,
+                 args: list[str] | None = None, notify: bool = True, wrapper: list[str] | None = None,
+                 pass_fds: tuple = (), socket_path: Path | None = None):
+        self.tmp = tmp
+        self.socket = socket_path or tmp / "gs.sock"
+        self.config_path = tmp / "gpuserv.yaml"
+        self.write_config(config or {})
+        self.log_path = tmp / "daemon.log"
+        self.notify = NotifyListener(tmp / "notify.sock") if notify else None
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("LISTEN_", "NOTIFY_", "WATCHDOG_"))}
+        e.update({"GPUSERV_HOME": str(home), "PYTHONUNBUFFERED": "1"})
+        e.pop("GPUSERV_SOCKET", None)
+        if self.notify:
+            e["NOTIFY_SOCKET"] = str(self.notify.path)
+        e.update(env or {})
+        cmd = (wrapper or []) + [PYTHON, "-m", "gpuservd.daemon", "--config", str(self.config_path)]
+        if socket_path is not False and not pass_fds:
+            cmd += ["--socket", str(self.socket)]
+        cmd += args or []
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(["nice", "-n", "19"] + cmd, cwd=ROOT, env=e, stdout=self._log,
+                                     stderr=subprocess.STDOUT, pass_fds=pass_fds)
+
+    def write_config(self, extra: dict) -> None:
+        self.config = deep_merge(BASE_CONFIG, extra)
+        self.config_path.write_text(yaml.safe_dump(self.config))
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until READY=1 (through NOTIFY_SOCKET when there is one, else /ready answers 200)."""
+        if self.notify:
+            try:
+                self.notify.wait_for("READY=1", timeout)
+            except TimeoutError:
+                raise TimeoutError(f"daemon not ready; log:\n{self.log}") from None
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}; log:\n{self.log}")
+            try:
+                if self.http().get("/ready").status_code == 200:
+                    return
+            except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"daemon not ready; log:\n{self.log}")
+
+    def http(self, timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://gpuserv",
+                            timeout=timeout)
+
+    def status(self) -> dict:
+        with self.http() as c:
+            return c.get("/admin/status").json()
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if self.notify:
+            self.notify.close()
+        return self.proc.returncode
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,129 @@
+"""The gpuserv CLI as a user meets it: one-line errors with exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuservd.cli.main import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def store_home(tmp_path, monkeypatch, tiny_model_dir):
+    """A private GPUSERV_HOME with the tiny model imported as 'tiny'."""
+    monkeypatch.setenv("GPUSERV_HOME", str(tmp_path))
+    from gpuservd.store.store import ModelStore
+
+    ModelStore().import_dir(tiny_model_dir, "tiny")
+    return tmp_path
+
+
+def invoke(*args):
+    """Run the CLI the way the console script does (main() turns UserError into exit 2)."""
+    from gpuservd.cli import main as cli_main
+
+    argv = sys.argv
+    sys.argv = ["gpuserv", *args]
+    try:
+        cli_main.main()
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def test_generate_local_streams_a_reply(store_home, capsys):
+    code = invoke("generate", "--local", "-m", "tiny", "-n", "6", "the capital of france")
+    out, err = capsys.readouterr()
+    assert code == 0 and out.strip() != "" and "finish: length" in err
+
+
+def test_generate_raw_and_seeded_sampling_is_reproducible(store_home, capsys):
+    args = ("generate", "--local", "-m", "tiny", "-n", "8", "--raw", "-t", "0.9", "--seed", "7", "the quick")
+    invoke(*args)
+    first = capsys.readouterr().out
+    invoke(*args)
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("generate", "--local", "-m", "nope", "hi"), "gpuserv pull smollm2"),
+        (("generate", "--local", "-m", "tiny", "-n", "0", "hi"), "max_tokens must be an integer >= 1"),
+        (("generate", "--local", "-m", "tiny", "-n", "600", "hi"), "exceeds the context length 512"),
+        (("generate", "--local", "-m", "tiny", "-t", "-1", "hi"), "temperature"),
+        (("generate", "--local", "-m", "tiny", "--top-p", "1.5", "hi"), "top_p"),
+        (("generate", "--local", "-m", "tiny", "--raw", "x " * 600), "exceeds the context length"),
+        (("bench", "--workload", "/nonexistent.yaml", "--peers", "none"), "nonexistent.yaml"),
+        (("bench", "--workload", "profiles/workloads/smoke.yaml", "--peers", "vllm"), "unknown peer vllm"),
+        (("pull", "llama-70b"), "smollm2"),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2(store_home, capsys, args, message):
+    code = invoke(*args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_damaged_store_entry_names_the_file(store_home, capsys):
+    shard = next((store_home / "models" / "tiny").glob("*.safetensors"))
+    shard.unlink()
+    code = invoke("generate", "--local", "-m", "tiny", "hi")
+    err = capsys.readouterr().err
+    assert code == 2 and shard.name in err and "Traceback" not in err
+
+
+def test_malformed_config_and_workload_files(store_home, tmp_path, capsys):
+    bad_cfg = tmp_path / "bad.yaml"
+    bad_cfg.write_text("engine:\n  dtype: float32\n  blok_size: 16\n")
+    assert invoke("generate", "--local", "-m", "tiny", "--config", str(bad_cfg), "hi") == 2
+    assert "blok_size" in capsys.readouterr().err
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("name: x\nmodel: tiny\nseed: 1\nrequests: 4\narrival: {process: burst}\nclasses:\n"
+                  "  - {name: a, share: 1.0, prompt_tokens: {dist: uniform, min: 4, max: 2}, "
+                  "output_tokens: {dist: fixed, value: 4}}\n")
+    assert invoke("bench", "--workload", str(wl), "--peers", "none") == 2
+    err = capsys.readouterr().err
+    assert "prompt_tokens" in err and str(wl) in err
+
+
+def test_bench_smoke_writes_result_files(store_home, tmp_path, capsys):
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("name: tiny-smoke\nmodel: tiny\nseed: 1\nrequests: 6\narrival: {process: burst}\nclasses:\n"
+                  "  - {name: short, share: 0.5, prompt_tokens: {dist: uniform, min: 4, max: 12}, "
+                  "output_tokens: {dist: uniform, min: 2, max: 6}}\n"
+                  "  - {name: long, share: 0.5, prompt_tokens: {dist: fixed, value: 8}, "
+                  "output_tokens: {dist: fixed, value: 20}}\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("engine:\n  kv_cache_bytes: 4MiB\n  block_size: 4\n")
+    out = tmp_path / "out"
+    assert invoke("bench", "--workload", str(wl), "--config", str(cfg), "--peers", "none", "--out", str(out)) == 0
+    result = json.loads((out / "result.json").read_text())
+    g = result["systems"]["gpuserv"]
+    assert g["num_requests"] == 6 and g["generated_tokens"] == sum(
+        t["output_tokens"] for t in g["requests"]) and g["throughput_tok_s"] > 0
+    assert set(result["classes"]) == {"short", "long"}
+    assert result["floor"]["gpuserv_batch1_step_ms"] > 0
+    assert (out / "result.md").exists() and (out / "latency_cdf.png").stat().st_size > 1000
+
+
+def test_models_ls_json(store_home, capsys):
+    assert invoke("models", "ls", "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["name"] == "tiny" and rows[0]["num_layers"] == 3
+
+
+def test_cli_imports_no_torch():
+    code = "import sys, gpuservd.cli.main; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
