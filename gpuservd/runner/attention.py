@@ -5,11 +5,10 @@ token's slot is one flat index (block * block_size + offset) and this step's
 K/V go in with a single index_copy_.
 
 Decode tokens (one per sequence) attend in groups of similar context length
-(see batch.py): each group is one batched matmul per KV head over its
-gathered blocks, with a mask only where lengths differ. A group of one sequence needs no mask
-at all and goes through the fused `scaled_dot_product_attention`, the query
-heads of each KV head standing in as the query rows (they all see the whole
-context). Prefill chunks attend one at a time through SDPA against their
+(see batch.py): each group is one fused `scaled_dot_product_attention` over
+its gathered blocks, the query heads of each KV head standing in as the query
+rows (they all see the whole context), with a mask only where lengths
+differ. Prefill chunks attend one at a time through SDPA against their
 gathered context.
 """
 
@@ -40,24 +39,14 @@ def _decode_group(q: torch.Tensor, k_cache, v_cache, g: DecodeGroup, scale: floa
     b, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
-    k = _gather(k_cache, g.block_table)[:, : g.max_len]  # [b, L, kv_heads, hd]
-    v = _gather(v_cache, g.block_table)[:, : g.max_len]
+    k = _gather(k_cache, g.block_table)[:, : g.max_len].transpose(1, 2)  # [b, kv_heads, L, hd] (a view)
+    v = _gather(v_cache, g.block_table)[:, : g.max_len].transpose(1, 2)
     qg = q.view(b, kv_heads, group, head_dim)  # each KV head's query heads as `group` query rows
-    if g.mask is None and b == 1:
-        # One sequence, nothing to mask: the fused kernel.
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        return o.reshape(b, num_heads, head_dim)
-    # One bmm per KV head on strided views of the gathered blocks: a [b, L, hd] slice with
-    # row stride kv_heads * hd is a valid BLAS operand, so nothing is transposed into a copy
-    # (3x faster than a batched matmul over [b, kv_heads, L, hd] at batch 64).
-    out = torch.empty(b, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
-    for h in range(kv_heads):
-        scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [b, group, L]
-        if g.mask is not None:
-            scores.masked_fill_(~g.mask[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        torch.bmm(probs, v[:, :, h], out=out[:, h])
-    return out.view(b, num_heads, head_dim)
+    # The fused CPU kernel reads the strided views directly; in a same-process A/B at
+    # b = 1..64 it beat a masked matmul + softmax (per KV head or on contiguous copies) by 2-7x.
+    mask = None if g.mask is None else g.mask[:, None, None, :]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(b, num_heads, head_dim)
 
 
 def decode_attention(
