@@ -124,39 +124,18 @@ def chat(
         return
     from gpuservd.engine.tokenizer import encode_chat
 
+    from gpuservd.cli.chat_loop import chat_loop
+
     params = _sampling(max_tokens, temperature, 1.0, 0, None, None)
     engine = _engine(model, config)
-    history: list[dict] = [{"role": "system", "content": system}] if system else []
     typer.echo(f"chatting with {model}; /reset clears the history, Ctrl-D quits", err=True)
-    turn = 0
-    while True:
-        try:
-            line = input("you> ")
-        except (EOFError, KeyboardInterrupt):
-            typer.echo("", err=True)
-            return
-        if line.strip() == "/reset":
-            history = history[:1] if system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        turn += 1
-        reply = []
-        try:
-            sys.stdout.write(f"{model}> ")
-            for out in engine.stream(f"chat-{turn}", encode_chat(engine.tokenizer, history), params):
-                sys.stdout.write(out.new_text)
-                sys.stdout.flush()
-                reply.append(out.new_text)
-            sys.stdout.write("\n")
-        except KeyboardInterrupt:
-            sys.stdout.write(" [interrupted]\n")
-        except UserError as exc:  # e.g. the conversation outgrew the context
-            typer.echo(f"error: {exc}", err=True)
-            history.pop()
-            continue
-        history.append({"role": "assistant", "content": "".join(reply)})
+    turns = iter(range(1, 1 << 62))
+
+    def reply(history):
+        ids = encode_chat(engine.tokenizer, history)
+        return (out.new_text for out in engine.stream(f"chat-{next(turns)}", ids, params))
+
+    chat_loop(model, system, reply)
 
 
 @app.command()

@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from gpuservd.api.client import Client, DaemonUnavailable
+from gpuservd.cli.chat_loop import chat_loop
 from gpuservd.errors import UserError
 
 
@@ -46,40 +47,13 @@ def generate_remote(socket: Optional[Path], model: str, prompt: str, raw: bool, 
 
 def chat_remote(socket: Optional[Path], model: str, system: Optional[str], params: dict) -> None:
     """`gpuserv chat` through the daemon."""
-    history: list[dict] = [{"role": "system", "content": system}] if system else []
     with Client(socket) as client:
         try:
             client.health()
         except DaemonUnavailable as exc:
             raise _no_daemon(exc) from None
         typer.echo(f"chatting with {model} through {client.where}; /reset clears the history, Ctrl-D quits", err=True)
-        while True:
-            try:
-                line = input("you> ")
-            except (EOFError, KeyboardInterrupt):
-                typer.echo("", err=True)
-                return
-            if line.strip() == "/reset":
-                history = history[:1] if system else []
-                continue
-            if not line.strip():
-                continue
-            history.append({"role": "user", "content": line})
-            reply = []
-            try:
-                sys.stdout.write(f"{model}> ")
-                for delta in client.chat_stream(model, history, **params):
-                    sys.stdout.write(delta.text)
-                    sys.stdout.flush()
-                    reply.append(delta.text)
-                sys.stdout.write("\n")
-            except KeyboardInterrupt:  # closing the stream aborts the request on the daemon
-                sys.stdout.write(" [interrupted]\n")
-            except UserError as exc:
-                typer.echo(f"error: {exc}", err=True)
-                history.pop()
-                continue
-            history.append({"role": "assistant", "content": "".join(reply)})
+        chat_loop(model, system, lambda history: (d.text for d in client.chat_stream(model, history, **params)))
 
 
 def bench_socket(workload_path: Path, socket: Optional[Path], out_dir: Optional[Path], model: Optional[str],
