@@ -88,15 +88,16 @@ def test_low_precision_within_dtype_tolerance(tmp_path, dtype, tol):
 
 def test_decode_groups_bound_padding():
     """A single long context does not pad every short sequence up to its length."""
-    lens = [2000] + [100] * 31
-    groups = group_decodes(lens)
-    assert [len(g) for g in groups] == [1, 31]
-    # Close lengths share one group.
-    assert len(group_decodes([100, 90, 120, 130])) == 1
-    for g in group_decodes([5, 500, 70, 900, 33, 1000, 64]):
-        longest = max([5, 500, 70, 900, 33, 1000, 64][i] for i in g)
-        real = sum([5, 500, 70, 900, 33, 1000, 64][i] for i in g)
-        assert longest * len(g) <= 1.25 * real or longest - min([5, 500, 70, 900, 33, 1000, 64][i] for i in g) <= 64
+    from gpuservd.runner.batch import MAX_PAD_WASTE, PAD_SLACK_TOKENS
+
+    groups = group_decodes([2000] + [100] * 31)
+    assert [len(g) for g in groups] == [1, 31]  # 2000 vs 100 tokens: far past the padding bound
+    assert len(group_decodes([100, 90, 120, 130])) == 1  # close lengths share one group
+    lens = [5, 500, 70, 900, 33, 1000, 64, 2500, 1800]
+    for g in group_decodes(lens):
+        longest, real = max(lens[i] for i in g), sum(lens[i] for i in g)
+        close = longest - min(lens[i] for i in g) <= PAD_SLACK_TOKENS
+        assert close or longest * len(g) <= (1 + MAX_PAD_WASTE) * real
 
 
 def test_refuses_unsupported_architecture(tmp_path):

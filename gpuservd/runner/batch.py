@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_PAD_WASTE = 0.25  # padded context slots / real context tokens, per decode group
-PAD_SLACK_TOKENS = 64  # sequences within this many tokens of the group's longest always join it
+MAX_PAD_WASTE = 0.5  # padded context slots / real context tokens, per decode group
+PAD_SLACK_TOKENS = 128  # sequences within this many tokens of the group's longest always join it
 
 
 @dataclass
