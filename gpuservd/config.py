@@ -119,19 +119,22 @@ def config_from_dict(data: dict, where: str = "config") -> EngineConfig:
     return cfg
 
 
+def read_yaml_file(path: Path):
+    """Parse a YAML config file; a missing file or bad YAML is a one-line UserError."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
 def load_config(path: Path | str | None) -> EngineConfig:
     """Read an engine config YAML file; None gives the defaults."""
     if path is None:
         cfg = EngineConfig()
         cfg.validate()
         return cfg
-    import yaml
-
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"config file {p} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    return config_from_dict(data, where=str(p))
+    return config_from_dict(read_yaml_file(Path(path)), where=str(path))

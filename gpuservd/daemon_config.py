@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuservd.config import EngineConfig, _fill, config_from_dict
+from gpuservd.config import EngineConfig, _fill, config_from_dict, read_yaml_file
 from gpuservd.errors import UserError
 from gpuservd.paths import daemon_socket_path
 
@@ -153,17 +153,9 @@ def resolve_config_path(path: Path | str | None) -> Path | None:
 
 def load_daemon_config(path: Path | str | None) -> DaemonConfig:
     """Read the daemon's YAML file (see resolve_config_path); None gives the defaults."""
-    import yaml
-
     p = resolve_config_path(path)
     if p is None:
         return daemon_config_from_dict({}, "defaults")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"config file {p} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    cfg = daemon_config_from_dict(data, str(p))
+    cfg = daemon_config_from_dict(read_yaml_file(p), str(p))
     cfg.path = p
     return cfg

@@ -91,19 +91,23 @@ def _generation_body(model: str, stream: bool, params: dict) -> dict:
     return body
 
 
+def _connection(socket_path, base_url, token, transport_cls) -> tuple[str, dict]:
+    """(where, httpx client kwargs): TCP when base_url is given, else the Unix socket the CLI would find."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if base_url:
+        return base_url, dict(base_url=base_url, headers=headers, timeout=ADMIN_TIMEOUT)
+    path = Path(socket_path) if socket_path else client_socket_path()
+    kwargs = dict(transport=transport_cls(uds=str(path)), base_url="http://gpuserv", headers=headers,
+                  timeout=ADMIN_TIMEOUT)
+    return str(path), kwargs
+
+
 class Client:
     """Synchronous client; `Client()` finds the socket like the CLI does ($GPUSERV_SOCKET, runtime dirs)."""
 
     def __init__(self, socket_path: str | Path | None = None, base_url: str | None = None, token: str | None = None):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if base_url:
-            self.where = base_url
-            self._http = httpx.Client(base_url=base_url, headers=headers, timeout=ADMIN_TIMEOUT)
-        else:
-            path = Path(socket_path) if socket_path else client_socket_path()
-            self.where = str(path)
-            self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://gpuserv",
-                                      headers=headers, timeout=ADMIN_TIMEOUT)
+        self.where, kwargs = _connection(socket_path, base_url, token, httpx.HTTPTransport)
+        self._http = httpx.Client(**kwargs)
 
     def __enter__(self) -> "Client":
         return self
@@ -211,15 +215,8 @@ class AsyncClient:
     """The asyncio twin of the admin half of `Client` (for the console)."""
 
     def __init__(self, socket_path: str | Path | None = None, base_url: str | None = None, token: str | None = None):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if base_url:
-            self.where = base_url
-            self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=ADMIN_TIMEOUT)
-        else:
-            path = Path(socket_path) if socket_path else client_socket_path()
-            self.where = str(path)
-            self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(path)),
-                                           base_url="http://gpuserv", headers=headers, timeout=ADMIN_TIMEOUT)
+        self.where, kwargs = _connection(socket_path, base_url, token, httpx.AsyncHTTPTransport)
+        self._http = httpx.AsyncClient(**kwargs)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
