@@ -109,7 +109,6 @@ class EngineLoop:
         self._inbox: list[tuple] = []
         self._stopping = False
         self._sinks: dict[str, Any] = {}  # request_id -> sink, engine thread only
-        self._preemptions: dict[str, int] = {}  # request_id -> num_preemptions seen, engine thread only
         self._records: list = []  # StepRecords produced during this iteration
         self.snapshot = LoopSnapshot(self.model)
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model}", daemon=True)
@@ -187,7 +186,6 @@ class EngineLoop:
                     sink = self._sinks.get(out.request_id)
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
-                        self._preemptions.pop(out.request_id, None)
                     if sink is not None:
                         deliveries.append((sink, out))
             records = self._records[:]
@@ -248,21 +246,14 @@ class EngineLoop:
                     fut.set_exception(exc)
 
     def _abort(self, request_id: str, deliveries: list) -> None:
-        """Abort in the engine (frees its KV blocks now) and hand the sink a final `abort` output."""
-        from gpuservd.engine.request import FinishReason, RequestOutput
-
-        req = self.engine.requests.get(request_id)
+        """Abort in the engine (frees its KV blocks now) and hand the sink the final `abort` output."""
         sink = self._sinks.pop(request_id, None)
-        self._preemptions.pop(request_id, None)
         try:
-            aborted = self.engine.abort(request_id)
+            out = self.engine.abort(request_id)
         except Exception as exc:
             self._log_internal(exc, request_id)
-            aborted = False
-        if req is not None and aborted:
-            out = RequestOutput(request_id, [], "", True, FinishReason.ABORT, req.num_prompt_tokens,
-                                len(req.output_token_ids), req.arrival_time, req.first_token_time,
-                                req.finish_time or time.monotonic())
+            out = None
+        if out is not None:
             if sink is not None:
                 deliveries.append((sink, out))
             if self._hooks is not None:
@@ -280,16 +271,10 @@ class EngineLoop:
             except Exception:  # the engine may be wedged; the requests are failed either way
                 pass
         self._sinks.clear()
-        self._preemptions.clear()
 
     def _preemption_event(self, rec) -> dict:
-        ids = []
-        for rid, req in self.engine.requests.items():
-            if req.num_preemptions > self._preemptions.get(rid, 0):
-                self._preemptions[rid] = req.num_preemptions
-                ids.append(rid)
         return {"type": "preemption", "t": rec.t, "model": self.model, "step_id": rec.step_id,
-                "num_preempted": rec.num_preempted, "request_ids": ids}
+                "num_preempted": rec.num_preempted, "request_ids": list(rec.preempted_ids)}
 
     def _log_internal(self, exc: BaseException, request_id: str) -> str:
         error_id = f"err-{uuid.uuid4().hex[:12]}"

@@ -109,14 +109,14 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request; its KV blocks are free when this returns."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; its KV blocks are free when this returns. Returns its final output
+        (finish reason `abort`), or None when the id is unknown or already finished."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return None
         self.scheduler.remove(req)
-        self._finish(req, RequestState.FINISHED_ABORTED, FinishReason.ABORT)
-        return True
+        return self._finish(req, RequestState.FINISHED_ABORTED, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -158,6 +158,7 @@ class LLMEngine:
                 kv_blocks_used=self.pool.num_used,
                 kv_blocks_total=self.pool.num_blocks,
                 num_preempted=len(sched.preempted_ids),
+                preempted_ids=list(sched.preempted_ids),
                 num_finished=sum(o.finished for o in outputs),
             )
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -30,6 +30,7 @@ class StepRecord:
     kv_blocks_total: int
     num_preempted: int  # requests preempted this step
     num_finished: int  # requests that finished this step
+    preempted_ids: list[str] = field(default_factory=list)  # which requests were preempted this step
 
     def to_dict(self) -> dict:
         return asdict(self)
