@@ -45,6 +45,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class VictimWeights:
+    """Weights of the `weighted` victim policy (each term normalised to 0..1 over the candidates)."""
+
+    remaining: float = 1.0  # more tokens left -> better victim
+    priority: float = 1.0  # higher priority -> worse victim
+    spent: float = 1.0  # more computed tokens (work lost on recompute) -> worse victim
+
+
+@dataclass
+class PreemptionConfig:
+    """Who is preempted when KV blocks run out (S5); see engine/victim.py."""
+
+    victim_policy: str = "progress"  # newest | most_remaining | progress | weighted
+    max_preemptions: int = 3  # a request preempted this many times is not chosen again (aging)
+    min_exec_s: float = 0.2  # a request runs at least this long after (re)admission before it can be chosen
+    weights: VictimWeights = field(default_factory=VictimWeights)
+
+
+@dataclass
 class EngineConfig:
     """One model's engine on one device."""
 
@@ -59,6 +78,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None = the model's (and its sliding window)
     telemetry_ring_size: int = 4096  # per-step records kept in memory
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -79,8 +99,12 @@ class EngineConfig:
                 f"({s.max_num_seqs}) so every running sequence can decode each step"
             )
         from gpuservd.engine.policy import Policy
+        from gpuservd.engine.victim import VictimPolicy
 
         Policy.parse(s.policy)
+        VictimPolicy.parse(self.preemption.victim_policy)
+        if self.preemption.max_preemptions < 1 or self.preemption.min_exec_s < 0:
+            raise UserError("preemption.max_preemptions must be >= 1 and preemption.min_exec_s >= 0")
 
 
 def _fill(obj, data: dict, where: str, path: str):
@@ -106,14 +130,16 @@ def _fill(obj, data: dict, where: str, path: str):
 
 
 def config_from_dict(data: dict, where: str = "config") -> EngineConfig:
-    """Build an EngineConfig from {'engine': {...}, 'scheduler': {...}} (other sections are for the daemon)."""
+    """Build an EngineConfig from {'engine': {...}, 'scheduler': {...}, 'preemption': {...}}
+    (other sections are for the daemon)."""
     cfg = EngineConfig()
     data = data or {}
     if not isinstance(data, dict):
         raise UserError(f"{where}: the top level must be a mapping with an 'engine:' section")
     engine = dict(data.get("engine") or {})
-    if "scheduler" in data:
-        engine["scheduler"] = data["scheduler"]
+    for section in ("scheduler", "preemption"):
+        if section in data:
+            engine[section] = data[section]
     _fill(cfg, engine, where, "engine." if "engine" in data else "")
     cfg.validate()
     return cfg

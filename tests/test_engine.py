@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuservd.config import EngineConfig
+from gpuservd.config import EngineConfig, PreemptionConfig
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import FinishReason, SamplingParams
 from gpuservd.engine.tokenizer import encode_chat
@@ -53,7 +53,8 @@ def test_greedy_batched_equals_transformers(tiny_model_dir):
 def test_tiny_pool_preempts_and_still_finishes_exactly(tiny_model_dir):
     big = make_engine(tiny_model_dir)
     # A pool of 10 blocks (40 tokens) for 4 requests of 10 + 6 tokens forces recompute preemptions.
-    small = make_engine(tiny_model_dir, kv_cache_bytes=10 * big.runner.cache.shape.bytes_per_block)
+    small = make_engine(tiny_model_dir, kv_cache_bytes=10 * big.runner.cache.shape.bytes_per_block,
+                        preemption=PreemptionConfig(min_exec_s=0))
     prompts = [[5 + i] * 10 for i in range(4)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
     assert small.generate(prompts, params) == big.generate(prompts, params)

@@ -6,15 +6,15 @@ import random
 
 import pytest
 
-from gpuservd.config import SchedulerConfig
+from gpuservd.config import PreemptionConfig, SchedulerConfig
 from gpuservd.engine.request import Request, SamplingParams
 from gpuservd.engine.scheduler import Scheduler
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.block_pool import BlockPool
 
 
-def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), block_size)
+def make_scheduler(num_blocks=64, block_size=4, preemption: PreemptionConfig | None = None, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), block_size, preemption)
 
 
 def make_requests(lengths, max_tokens=4, t0=0.0) -> list[Request]:
@@ -85,7 +85,8 @@ def test_new_requests_wait_when_kv_pool_is_full():
 
 
 def test_recompute_preemption_when_running_out_of_blocks():
-    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64)
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64,
+                       preemption=PreemptionConfig(victim_policy="newest", min_exec_s=0))
     reqs = make_requests([4, 4, 4], max_tokens=8)
     for r in reqs:
         s.add(r)
@@ -114,6 +115,69 @@ def test_unknown_policy_names_the_choices():
         make_scheduler(policy="lottery")
 
 
+def _full_pool_with(outputs: list[int], max_tokens: list[int], policy: str, **pre):
+    """Three running requests filling a 6-block pool (2 blocks each), with given progress."""
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64,
+                       preemption=PreemptionConfig(victim_policy=policy, **pre))
+    reqs = []
+    for i, (n_out, mt) in enumerate(zip(outputs, max_tokens)):
+        r = Request(f"r{i}", [5] * (8 - n_out), SamplingParams(max_tokens=mt), arrival_time=i)
+        s.add(r)
+        reqs.append(r)
+    s.schedule()  # admits all three
+    for r, n_out in zip(reqs, outputs):
+        r.output_token_ids = [7] * (n_out + 1)  # 9 tokens known, 8 cached: the next step writes position 8
+        r.num_computed_tokens = 8
+        s.pool.free(r.block_ids)
+        r.block_ids = []
+    for r in reqs:
+        r.block_ids = s.pool.allocate(2)  # positions 0-7; the pool is now full
+        r.admitted_time = 0.0  # long ago: past min_exec_s
+    return s, reqs
+
+
+@pytest.mark.parametrize(
+    "policy,victim",
+    [
+        ("newest", "r2"),
+        ("most_remaining", "r0"),  # r0 has 100 tokens left
+        ("progress", "r0"),  # r0 is 8 / 108 done, the others ~0.6-0.9
+        ("weighted", "r0"),
+    ],
+)
+def test_victim_policies(policy, victim):
+    s, reqs = _full_pool_with([1, 5, 2], [100, 6, 10], policy)
+    out = s.schedule()
+    assert out.preempted_ids == [victim]
+
+
+def test_weighted_policy_protects_high_priority():
+    s, reqs = _full_pool_with([1, 5, 2], [100, 6, 10], "weighted")
+    reqs[0].priority = 10
+    s.preemption.weights.priority = 5.0
+    assert s.schedule().preempted_ids != ["r0"]
+
+
+def test_aging_and_min_exec_guards():
+    s, reqs = _full_pool_with([1, 5, 2], [100, 6, 10], "most_remaining", max_preemptions=2)
+    reqs[0].num_preemptions = 2  # aged: never chosen again
+    assert s.schedule().preempted_ids == ["r2"]  # next most remaining
+    s2, reqs2 = _full_pool_with([1, 5, 2], [100, 6, 10], "most_remaining", min_exec_s=10.0)
+    import time as _t
+
+    reqs2[0].admitted_time = _t.monotonic()  # just resumed: protected
+    assert s2.schedule().preempted_ids == ["r2"]
+
+
+def test_guards_never_deadlock():
+    """Everyone is protected and every running request needs a block: one is still preempted."""
+    s, reqs = _full_pool_with([1, 5, 2], [100, 6, 10], "progress", max_preemptions=1)
+    for r in reqs:
+        r.num_preemptions = 1
+    out = s.schedule()
+    assert len(out.preempted_ids) == 1
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_traffic_never_leaks_blocks(seed):
     rng = random.Random(seed)
@@ -137,3 +201,49 @@ def test_random_traffic_never_leaks_blocks(seed):
         assert steps < 5000, "scheduler made no progress"
         assert s.pool.num_used == sum(len(r.block_ids) for r in s.running)
     assert len(done) == 25 and s.pool.num_free == s.pool.num_blocks
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_blocks=st.integers(6, 40),
+    max_num_seqs=st.integers(1, 8),
+    token_budget=st.integers(8, 48),
+    prefill_budget=st.integers(1, 24),
+    policy=st.sampled_from(["newest", "most_remaining", "progress", "weighted"]),
+    reqs=st.lists(
+        st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3)),
+        min_size=1, max_size=20,
+    ),  # (prompt tokens, max_tokens, priority, arrival step)
+    cancel=st.sets(st.integers(0, 19), max_size=3),
+)
+def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs, token_budget, prefill_budget,
+                                                        policy, reqs, cancel):
+    s = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max(token_budget, max_num_seqs), max_prefill_tokens=prefill_budget,
+                       policy="priority", preemption=PreemptionConfig(victim_policy=policy, min_exec_s=0,
+                                                                       max_preemptions=2))
+    requests = [Request(f"r{i}", [5] * p, SamplingParams(max_tokens=m), priority=pr, arrival_time=i)
+                for i, (p, m, pr, _) in enumerate(reqs)]
+    arrivals = {i: a for i, (_, _, _, a) in enumerate(reqs)}
+    done, step = [], 0
+    while len(done) < len(requests):
+        for i, r in enumerate(requests):
+            if arrivals[i] == step:
+                s.add(r)
+        if step == 2:
+            for i in cancel:
+                if i < len(requests) and requests[i] not in done and (requests[i] in s.running or requests[i] in s.waiting):
+                    s.remove(requests[i])
+                    done.append(requests[i])
+        run_step(s, done)
+        step += 1
+        assert step < 3000, "no progress: deadlock"
+        assert s.pool.num_used == sum(len(r.block_ids) for r in s.running)
+        assert all(not r.block_ids for r in s.waiting)
+    assert s.pool.num_free == s.pool.num_blocks and not s.has_unfinished()
+    finished = [r for r in done if len(r.output_token_ids) >= r.params.max_tokens]
+    assert len(finished) + len([i for i in cancel if i < len(requests)]) >= len(requests)

@@ -52,7 +52,7 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.pool = self.runner.cache.pool
-        self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size, config.preemption)
         self.telemetry = Telemetry(config.telemetry_ring_size)
         self.requests: dict[str, Request] = {}
 

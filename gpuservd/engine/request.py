@@ -87,6 +87,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)  # the block table, in order
     num_preemptions: int = 0  # times this request was preempted
+    admitted_time: float = 0.0  # monotonic time it last entered the running batch
     first_token_time: float | None = None  # monotonic time of the first output token
     finish_time: float | None = None
     # Sampling and detokenizer state (see engine/sampler.py, engine/detokenizer.py).

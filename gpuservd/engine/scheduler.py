@@ -6,7 +6,8 @@ while the token budget, the prefill budget, `max_num_seqs` and the KV pool
 allow. A running sequence that needs a block when none is free takes it from
 the most recently admitted running sequence, which is preempted by recompute
 (its blocks are freed; its prompt and generated tokens are prefilled again on
-resume). The scheduler does no I/O and no model math; it returns what it
+resume). Which running request is preempted is the victim policy's choice
+(engine/victim.py). The scheduler does no I/O and no model math; it returns what it
 decided as a `SchedulerOutput`.
 """
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gpuservd.config import SchedulerConfig
+from gpuservd.config import PreemptionConfig, SchedulerConfig
 from gpuservd.engine.policy import Policy, queue_key
 from gpuservd.engine.request import Request, RequestState
+from gpuservd.engine.victim import choose_victim, fallback_victim
 from gpuservd.kv_cache.block_pool import BlockPool
 
 
@@ -54,8 +56,10 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and the block tables of a model's requests."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
+                 preemption: PreemptionConfig | None = None):
         self.config = config
+        self.preemption = preemption or PreemptionConfig()
         self.pool = pool
         self.block_size = block_size
         self.policy = Policy.parse(config.policy)
@@ -112,6 +116,7 @@ class Scheduler:
     # -- the decision -----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
+        t0_mono = time.monotonic()
         self._step_id += 1
         cfg = self.config
         out = SchedulerOutput(step_id=self._step_id)
@@ -133,8 +138,9 @@ class Scheduler:
             else:
                 num_new = 1
             while not self._grow(req, num_new):
-                # The newest running request that got nothing this step gives its blocks back.
-                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                # A running request that got nothing this step gives its blocks back.
+                candidates = [r for r in self.running if id(r) not in scheduled]
+                victim = choose_victim(candidates, self.preemption, t0_mono)
                 if victim is None:
                     break
                 self._preempt(victim, out)
@@ -149,6 +155,10 @@ class Scheduler:
                 prefill_budget -= num_new
                 prefill_seqs += 1
 
+        if not out.chunks and self.running and not out.preempted_ids:
+            # Every running request needs a block, none is free and the guards protect them
+            # all: without this the engine would wait forever.
+            self._preempt(fallback_victim(self.running), out)
         if not out.preempted_ids:
             self._admit(out, token_budget, prefill_budget, prefill_seqs)
         out.num_running = len(self.running)
@@ -176,6 +186,7 @@ class Scheduler:
                 break  # the pool is full: new requests wait
             self.waiting.pop(0)
             req.state = RequestState.RUNNING
+            req.admitted_time = time.monotonic()
             self.running.append(req)
             self._add_chunk(out, req, num_new)
             token_budget -= num_new
