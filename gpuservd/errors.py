@@ -18,3 +18,12 @@ class ModelNotFound(UserError):
 
 class StoreCorrupt(UserError):
     """A store entry is damaged (missing shard, bad config); the message names the file."""
+
+
+def parse_choice(enum_cls, name: str, setting: str):
+    """enum_cls(name), or a UserError naming the setting and every choice (for Enum-named policies)."""
+    try:
+        return enum_cls(name)
+    except ValueError:
+        choices = ", ".join(c.value for c in enum_cls)
+        raise UserError(f"{setting} {name!r} is unknown; choose one of: {choices}") from None

@@ -10,7 +10,7 @@ import enum
 from typing import Callable
 
 from gpuservd.engine.request import Request
-from gpuservd.errors import UserError
+from gpuservd.errors import parse_choice
 
 
 class Policy(str, enum.Enum):
@@ -19,11 +19,7 @@ class Policy(str, enum.Enum):
 
     @classmethod
     def parse(cls, name: str) -> "Policy":
-        try:
-            return cls(name)
-        except ValueError:
-            choices = ", ".join(p.value for p in cls)
-            raise UserError(f"scheduler.policy {name!r} is unknown; choose one of: {choices}") from None
+        return parse_choice(cls, name, "scheduler.policy")
 
 
 def queue_key(policy: Policy) -> Callable[[Request], tuple]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from gpuservd.config import PreemptionConfig
 from gpuservd.engine.request import Request
-from gpuservd.errors import UserError
+from gpuservd.errors import parse_choice
 
 
 class VictimPolicy(str, enum.Enum):
@@ -33,11 +33,7 @@ class VictimPolicy(str, enum.Enum):
 
     @classmethod
     def parse(cls, name: str) -> "VictimPolicy":
-        try:
-            return cls(name)
-        except ValueError:
-            choices = ", ".join(p.value for p in cls)
-            raise UserError(f"preemption.victim_policy {name!r} is unknown; choose one of: {choices}") from None
+        return parse_choice(cls, name, "preemption.victim_policy")
 
 
 def remaining_tokens(r: Request) -> int:
