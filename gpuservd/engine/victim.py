@@ -20,6 +20,7 @@ engine never deadlocks.
 from __future__ import annotations
 
 import enum
+
 from gpuservd.config import PreemptionConfig
 from gpuservd.engine.request import Request
 from gpuservd.errors import parse_choice
