@@ -272,7 +272,9 @@ class Serving:
     # ---- requests, drain --------------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
         active = self.active.get(request_id)
-        if active is None:
+        if active is None or active.done:
+            # done: its last output (perhaps from an earlier cancel) has been handed out and the
+            # stream is ending; the entry only lingers until the handler's cleanup runs.
             return False
         active.abort()
         return True
