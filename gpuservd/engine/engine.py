@@ -130,7 +130,7 @@ class LLMEngine:
         if not sched.empty:
             chunks = [
                 SeqChunk(
-                    c.request.all_token_ids[c.start_pos : c.start_pos + c.num_tokens],
+                    c.request.token_slice(c.start_pos, c.num_tokens),
                     c.start_pos,
                     c.request.block_ids,
                     c.sample,

@@ -98,9 +98,12 @@ class Request:
     prefix_offset: int = 0
     read_offset: int = 0
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Known tokens [start, start + n) without building prompt + outputs (a decode step needs one)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        return (self.prompt_token_ids + self.output_token_ids)[start : start + n]
 
     @property
     def num_tokens(self) -> int:
@@ -110,10 +113,6 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while part of the known tokens has no KV yet (prompt, or a recompute)."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
 
 
 @dataclass

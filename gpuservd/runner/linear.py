@@ -36,7 +36,6 @@ class Linear:
     """y = x @ W^T + b for x [T, in]; W [out, in] as stored in the checkpoint."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = False):
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
         self.onednn = use_onednn

@@ -37,7 +37,6 @@ class LlamaModel:
         self.rope = RopeTables(arch, max_len, dtype, self.device)
         self.scale = arch.head_dim ** -0.5
         self._q_size = arch.num_heads * arch.head_dim
-        self._kv_size = arch.num_kv_heads * arch.head_dim
 
     def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):
         """One decoder layer on hidden states h [T, D]; rope = (cos, sin) of the batch. Returns the new h [T, D]."""

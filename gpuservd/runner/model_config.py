@@ -39,11 +39,6 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]  # from config.json / generation_config.json
     bos_token_id: int | None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across all layers, per element byte."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _as_tuple(value) -> tuple[int, ...]:
     if value is None:
