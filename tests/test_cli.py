@@ -127,3 +127,10 @@ def test_cli_imports_no_torch():
     code = "import sys, gpuservd.cli.main; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("args", [("models", "load"), ("generate",), ("bench", "--workload"), ("nonsense",)])
+def test_usage_errors_are_short_and_exit_2(args):
+    proc = subprocess.run([sys.executable, "-m", "gpuservd.cli.main", *args], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Error" in proc.stderr

@@ -169,25 +169,18 @@ def bench(
 
 
 def main() -> None:
-    """Entry point: run the Typer app, turning user mistakes into one-line errors."""
+    """Entry point: run the Typer app, turning user mistakes into one-line errors.
+
+    Standalone mode lets click report its own usage errors (a missing argument,
+    a bad option) as a usage line and exit 2; our UserErrors pass through it.
+    """
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
-        raise
 
 
 if __name__ == "__main__":
