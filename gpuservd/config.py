@@ -55,12 +55,26 @@ class VictimWeights:
 
 @dataclass
 class PreemptionConfig:
-    """Who is preempted when KV blocks run out (S5); see engine/victim.py."""
+    """When running requests give way, who gives way, and how their KV leaves (S2-S7).
 
+    See engine/preemption.py (triggers and the planner) and engine/victim.py (who).
+    """
+
+    mode: str = "auto"  # auto | on | off: on lets waiting requests displace running ones (S7)
+    granularity: str = "token"  # request | token | layer (S2)
+    kind: str = "auto"  # auto (the planner) | swap | partial_swap | recompute (S3, S4)
     victim_policy: str = "progress"  # newest | most_remaining | progress | weighted
     max_preemptions: int = 3  # a request preempted this many times is not chosen again (aging)
     min_exec_s: float = 0.2  # a request runs at least this long after (re)admission before it can be chosen
     weights: VictimWeights = field(default_factory=VictimWeights)
+    memory_threshold: float = 0.85  # with preemption on, device KV use is kept at or below this share
+    swap_space_bytes: int = 512 * 1024**2  # the host KV pool (pinned RAM on CUDA)
+    partial_keep_fraction: float = 0.25  # partial swap keeps this share of the layers (the last ones) on the device
+    outrank_ratio: float = 4.0  # equal priority: a waiting request displaces a running one whose remaining
+    # token estimate (max_tokens - generated) is at least this many times its own
+    auto_window: int = 200  # auto mode: output lengths of this many recent finished requests
+    auto_ratio: float = 5.0  # auto mode: preemption on while P99/P50 of those lengths is above this
+    auto_min_samples: int = 20  # auto mode: no decision before this many finished requests
 
 
 @dataclass
@@ -103,8 +117,23 @@ class EngineConfig:
 
         Policy.parse(s.policy)
         VictimPolicy.parse(self.preemption.victim_policy)
-        if self.preemption.max_preemptions < 1 or self.preemption.min_exec_s < 0:
+        p = self.preemption
+        if p.max_preemptions < 1 or p.min_exec_s < 0:
             raise UserError("preemption.max_preemptions must be >= 1 and preemption.min_exec_s >= 0")
+        from gpuservd.engine.preemption import Granularity, MoveKind, PreemptionMode
+
+        PreemptionMode.parse(p.mode)
+        Granularity.parse(p.granularity)
+        MoveKind.parse(p.kind)
+        if not (0.0 < p.memory_threshold <= 1.0):
+            raise UserError(f"preemption.memory_threshold must be in (0, 1], got {p.memory_threshold}")
+        if not (0.0 <= p.partial_keep_fraction < 1.0):
+            raise UserError(f"preemption.partial_keep_fraction must be in [0, 1), got {p.partial_keep_fraction}")
+        if p.swap_space_bytes < 0:
+            raise UserError(f"preemption.swap_space_bytes must be >= 0, got {p.swap_space_bytes}")
+        if p.outrank_ratio < 1.0 or p.auto_ratio <= 1.0 or p.auto_window < 2 or p.auto_min_samples < 2:
+            raise UserError("preemption: outrank_ratio must be >= 1, auto_ratio > 1, auto_window and "
+                            "auto_min_samples >= 2")
 
 
 def _fill(obj, data: dict, where: str, path: str):

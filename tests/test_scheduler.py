@@ -8,13 +8,16 @@ import pytest
 
 from gpuservd.config import PreemptionConfig, SchedulerConfig
 from gpuservd.engine.request import Request, SamplingParams
-from gpuservd.engine.scheduler import Scheduler
+from gpuservd.engine.scheduler import KVLayout, Scheduler
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.block_pool import BlockPool
 
 
-def make_scheduler(num_blocks=64, block_size=4, preemption: PreemptionConfig | None = None, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), block_size, preemption)
+def make_scheduler(num_blocks=64, block_size=4, preemption: PreemptionConfig | None = None, host_blocks=0,
+                   num_layers=4, **cfg) -> Scheduler:
+    host = BlockPool(host_blocks) if host_blocks else None  # the scheduler only books host blocks
+    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), block_size, preemption, host_pool=host,
+                     layout=KVLayout(num_layers, num_layers * 1024))
 
 
 def make_requests(lengths, max_tokens=4, t0=0.0) -> list[Request]:
@@ -28,7 +31,11 @@ def run_step(s: Scheduler, finished: list):
     """Apply a fake model: every sampling chunk yields token 7; finish at max_tokens."""
     out = s.schedule()
     for c in out.chunks:
-        c.request.num_computed_tokens += c.num_tokens
+        # What the runner will demand: a block for every position the chunk attends to.
+        assert len(c.request.block_ids) * s.block_size >= c.start_pos + c.num_tokens, c.request.request_id
+        assert c.start_pos == c.request.num_computed_tokens
+    for c in out.chunks:
+        c.request.advance(c.num_tokens)
     for c in out.chunks:
         if c.sample:
             r = c.request
@@ -178,16 +185,24 @@ def test_guards_never_deadlock():
     assert len(out.preempted_ids) == 1
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_random_traffic_never_leaks_blocks(seed):
+@pytest.mark.parametrize("mode,kind", [("off", "recompute"), ("on", "swap"), ("on", "partial_swap"),
+                                       ("on", "recompute"), ("on", "auto")])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_never_leaks_blocks(seed, mode, kind):
+    """Random arrivals, lengths, priorities and cancellations on small pools: no block leaks (device
+    or host), every request finishes, and the forced kind of move is the one that happens."""
     rng = random.Random(seed)
-    s = make_scheduler(num_blocks=rng.randint(8, 30), block_size=4, max_num_seqs=rng.randint(1, 6),
-                       max_num_batched_tokens=rng.randint(8, 40), max_prefill_tokens=rng.randint(1, 16))
+    s = make_scheduler(num_blocks=rng.randint(8, 20), block_size=4, max_num_seqs=rng.randint(2, 6),
+                       max_num_batched_tokens=rng.randint(8, 40), max_prefill_tokens=rng.randint(1, 16),
+                       host_blocks=64, policy="priority",
+                       preemption=PreemptionConfig(mode=mode, kind=kind, min_exec_s=0, partial_keep_fraction=0.5,
+                                                   outrank_ratio=2.0))
     reqs = [
-        Request(f"r{i}", [5] * rng.randint(1, 12), SamplingParams(max_tokens=rng.randint(1, 12)), arrival_time=i)
-        for i in range(25)
+        Request(f"r{i}", [5] * rng.randint(1, 12), SamplingParams(max_tokens=rng.randint(1, 24)),
+                priority=rng.choice([0, 0, 1]), arrival_time=i)
+        for i in range(30)
     ]
-    done, steps = [], 0
+    done, steps, kinds = [], 0, set()
     pending = list(reqs)
     while pending or s.has_unfinished():
         if pending and rng.random() < 0.5:
@@ -196,39 +211,66 @@ def test_random_traffic_never_leaks_blocks(seed):
             victim = rng.choice(s.running)  # a client goes away mid-request
             s.remove(victim)
             done.append(victim)
-        run_step(s, done)
+        out = run_step(s, done)
+        kinds |= {p.kind for p in out.preemptions}
         steps += 1
         assert steps < 5000, "scheduler made no progress"
-        assert s.pool.num_used == sum(len(r.block_ids) for r in s.running)
-    assert len(done) == 25 and s.pool.num_free == s.pool.num_blocks
+        assert s.pool.num_used == _held(s)
+        assert s.host.num_used == sum(len(r.host_block_ids) for r in s.waiting)
+    assert len(done) == 30 and s.pool.num_free == s.pool.num_blocks and s.host.num_free == s.host.num_blocks
+    assert kinds, "the workload never preempted: the test exercises nothing"
+    if kind != "auto":
+        assert kinds == {kind}
+    else:
+        assert kinds == {"swap"}  # no measured prefill rate: a copy is assumed cheaper
+
+
+def _held(s: Scheduler) -> int:
+    return sum(r.num_device_blocks for r in s.running + s.waiting)
 
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
-    num_blocks=st.integers(6, 40),
+    num_blocks=st.integers(6, 24),
     max_num_seqs=st.integers(1, 8),
     token_budget=st.integers(8, 48),
     prefill_budget=st.integers(1, 24),
     policy=st.sampled_from(["newest", "most_remaining", "progress", "weighted"]),
+    mode=st.sampled_from(["off", "on"]),
+    granularity=st.sampled_from(["request", "token", "layer"]),
+    kind=st.sampled_from(["auto", "swap", "partial_swap", "recompute"]),
+    host_blocks=st.integers(0, 30),
+    threshold=st.floats(0.5, 1.0),
+    tenant_caps=st.tuples(st.integers(0, 3), st.integers(0, 12)),  # tenant "b": max running seqs, max blocks
     reqs=st.lists(
-        st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3)),
+        st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3), st.booleans()),
         min_size=1, max_size=20,
-    ),  # (prompt tokens, max_tokens, priority, arrival step)
+    ),  # (prompt tokens, max_tokens, priority, arrival step, tenant b)
     cancel=st.sets(st.integers(0, 19), max_size=3),
 )
 def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs, token_budget, prefill_budget,
-                                                        policy, reqs, cancel):
+                                                        policy, mode, granularity, kind, host_blocks, threshold,
+                                                        tenant_caps, reqs, cancel):
+    from gpuservd.engine.quota import TenantQuota
+
     s = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max(token_budget, max_num_seqs), max_prefill_tokens=prefill_budget,
-                       policy="priority", preemption=PreemptionConfig(victim_policy=policy, min_exec_s=0,
-                                                                       max_preemptions=2))
-    requests = [Request(f"r{i}", [5] * p, SamplingParams(max_tokens=m), priority=pr, arrival_time=i)
-                for i, (p, m, pr, _) in enumerate(reqs)]
-    arrivals = {i: a for i, (_, _, _, a) in enumerate(reqs)}
+                       policy="priority", host_blocks=host_blocks,
+                       preemption=PreemptionConfig(victim_policy=policy, min_exec_s=0, max_preemptions=2, mode=mode,
+                                                   granularity=granularity, kind=kind, memory_threshold=threshold,
+                                                   partial_keep_fraction=0.5, outrank_ratio=2.0))
+    seqs_cap, blocks_cap = tenant_caps
+    if blocks_cap:
+        blocks_cap = max(blocks_cap, 6)  # any request here needs at most 6 blocks (24 tokens)
+    s.quotas = {"b": TenantQuota(weight=2.0, max_running_seqs=seqs_cap, max_kv_blocks=blocks_cap)}
+    requests = [Request(f"r{i}", [5] * p, SamplingParams(max_tokens=m), priority=pr, arrival_time=i,
+                        tenant="b" if b else "a")
+                for i, (p, m, pr, _, b) in enumerate(reqs)]
+    arrivals = {i: a for i, (_, _, _, a, _) in enumerate(reqs)}
     done, step = [], 0
     while len(done) < len(requests):
         for i, r in enumerate(requests):
@@ -239,11 +281,18 @@ def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs
                 if i < len(requests) and requests[i] not in done and (requests[i] in s.running or requests[i] in s.waiting):
                     s.remove(requests[i])
                     done.append(requests[i])
-        run_step(s, done)
+        out = run_step(s, done)
         step += 1
         assert step < 3000, "no progress: deadlock"
-        assert s.pool.num_used == sum(len(r.block_ids) for r in s.running)
-        assert all(not r.block_ids for r in s.waiting)
+        assert s.pool.num_used == _held(s)
+        if s.host is not None:
+            assert s.host.num_used == sum(len(r.host_block_ids) for r in s.waiting)
+        b_running = [r for r in s.running if r.tenant == "b"]
+        assert not seqs_cap or len(b_running) <= seqs_cap
+        assert not blocks_cap or sum(r.num_device_blocks for r in s.running + s.waiting if r.tenant == "b") <= blocks_cap
+        if mode == "off":
+            assert all(p.kind == "recompute" for p in out.preemptions)
     assert s.pool.num_free == s.pool.num_blocks and not s.has_unfinished()
+    assert s.host is None or s.host.num_free == s.host.num_blocks
     finished = [r for r in done if len(r.output_token_ids) >= r.params.max_tokens]
     assert len(finished) + len([i for i in cancel if i < len(requests)]) >= len(requests)

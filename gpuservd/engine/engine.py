@@ -16,9 +16,11 @@ from gpuservd.config import EngineConfig
 from gpuservd.engine import detokenizer
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from gpuservd.engine.sampler import sample
-from gpuservd.engine.scheduler import Scheduler, SchedulerOutput
+from gpuservd.engine.quota import TenantQuota
+from gpuservd.engine.scheduler import KVLayout, Scheduler, SchedulerOutput
 from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.errors import UserError
+from gpuservd.kv_cache.swap import HostKVPool, Swapper
 from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.model_runner import ModelRunner
 
@@ -52,7 +54,15 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.pool = self.runner.cache.pool
-        self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size, config.preemption)
+        cache = self.runner.cache
+        self.host_pool = HostKVPool(cache.shape, config.preemption.swap_space_bytes, pin=cache.kv.is_cuda)
+        self.swapper = Swapper(cache, self.host_pool)
+        layout = KVLayout(cache.shape.num_layers, cache.shape.bytes_per_block)
+        self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size, config.preemption,
+                                   host_pool=self.host_pool, layout=layout)
+        # The planner prices swaps with this link's measured bandwidth from the start.
+        self.scheduler.cost.host_bandwidth = self.swapper.probe_bandwidth()
+        self._events: list[dict] = []  # non-step events (auto-mode switches) for the next StepRecord
         self.telemetry = Telemetry(config.telemetry_ring_size)
         self.requests: dict[str, Request] = {}
 
@@ -100,6 +110,11 @@ class LLMEngine:
                 f"the request needs {need} KV blocks but the pool has {self.pool.num_blocks}; "
                 "lower max_tokens or raise engine.kv_cache_bytes"
             )
+        cap = self.scheduler.quota(tenant).max_kv_blocks
+        if cap and need > cap:
+            raise UserError(
+                f"the request needs {need} KV blocks but tenant {tenant!r} may hold {cap}; lower max_tokens"
+            )
         req = Request(request_id, list(prompt_token_ids), params, priority=priority, tenant=tenant)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -121,12 +136,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def set_tenant_quotas(self, quotas: dict[str, TenantQuota]) -> None:
+        """Per-tenant limits (weight, running sequences, KV blocks); replaces the previous set."""
+        self.scheduler.quotas = dict(quotas)
+
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         forward_s = 0.0
         outputs: list[RequestOutput] = []
+        ts = time.perf_counter()
+        self.swapper.execute(sched.moves)
+        swap_s = time.perf_counter() - ts
+        for m in sched.moves:
+            self.scheduler.cost.observe_copy(m.bytes_moved, m.bytes_parked, m.seconds)
         if not sched.empty:
             chunks = [
                 SeqChunk(
@@ -140,8 +164,11 @@ class LLMEngine:
             t1 = time.perf_counter()
             logits = self.runner.execute(chunks)
             forward_s = time.perf_counter() - t1
+            if sched.num_prefill_tokens >= 4 * sched.num_decode_tokens:
+                self.scheduler.cost.observe_prefill(sched.num_prefill_tokens, forward_s)
             outputs = self._update(sched, logits)
         t2 = time.perf_counter()
+        events, self._events = self._events, []
         self.telemetry.record(
             StepRecord(
                 step_id=sched.step_id,
@@ -149,7 +176,8 @@ class LLMEngine:
                 t=time.time(),
                 wall_s=t2 - t0,
                 forward_s=forward_s,
-                sample_s=max(0.0, t2 - t0 - forward_s - sched.decision_s),
+                sample_s=max(0.0, t2 - t0 - forward_s - sched.decision_s - swap_s),
+                swap_s=swap_s,
                 decision_s=sched.decision_s,
                 num_prefill_tokens=sched.num_prefill_tokens,
                 num_decode_tokens=sched.num_decode_tokens,
@@ -160,6 +188,12 @@ class LLMEngine:
                 num_preempted=len(sched.preempted_ids),
                 preempted_ids=list(sched.preempted_ids),
                 num_finished=sum(o.finished for o in outputs),
+                preemptions=[p.to_dict() for p in sched.preemptions],
+                swaps=[_move_dict(m) for m in sched.moves],
+                events=events,
+                preemption_on=self.scheduler.preemption_on,
+                kv_host_blocks_used=self.host_pool.num_used,
+                kv_host_blocks_total=self.host_pool.num_blocks,
             )
         )
         return outputs
@@ -167,7 +201,7 @@ class LLMEngine:
     def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         sampling = [c.request for c in sched.chunks if c.sample]
         for c in sched.chunks:
-            c.request.num_computed_tokens += c.num_tokens
+            c.request.advance(c.num_tokens)
         tokens = sample(logits, sampling) if sampling else []
         now = time.monotonic()
         outputs = []
@@ -178,6 +212,9 @@ class LLMEngine:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.scheduler.remove(req)
+                switch = self.scheduler.auto.observe(len(req.output_token_ids))
+                if switch is not None and self.scheduler.mode.value == "auto":
+                    self._events.append(switch)
                 self.requests.pop(req.request_id, None)
                 state = RequestState.FINISHED_STOPPED if reason is FinishReason.STOP else RequestState.FINISHED_LENGTH
                 outputs.append(self._finish(req, state, reason, tok))
@@ -243,3 +280,9 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
+
+
+def _move_dict(m) -> dict:
+    return {"kind": f"swap_{m.direction}", "request_id": m.request_id, "blocks": len(m.device_blocks),
+            "host_layers": m.num_host_layers, "bytes_moved": m.bytes_moved, "bytes_parked": m.bytes_parked,
+            "seconds": m.seconds}

@@ -88,6 +88,18 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # the block table, in order
     num_preemptions: int = 0  # times this request was preempted
     admitted_time: float = 0.0  # monotonic time it last entered the running batch
+    # Preempted KV (engine/scheduler.py). Swapped: layers [0, swap_host_layers) of its
+    # swapped_num_blocks blocks are in host_block_ids, the rest parked in park_block_ids.
+    # Dropped: tokens [0, recompute_until) are rebuilt, then num_computed_tokens jumps to
+    # resume_computed (the kept tail of blocks covers the rest).
+    host_block_ids: list[int] = field(default_factory=list)
+    park_block_ids: list[int] = field(default_factory=list)
+    swapped_num_blocks: int = 0
+    swap_host_layers: int = 0
+    dropped_blocks: int = 0  # oldest blocks dropped; re-allocated in front of block_ids on resume
+    recompute_until: int = 0
+    resume_computed: int = 0  # 0 = no kept tail
+    num_recomputed_tokens: int = 0  # prefill work redone because of preemptions
     first_token_time: float | None = None  # monotonic time of the first output token
     finish_time: float | None = None
     # Sampling and detokenizer state (see engine/sampler.py, engine/detokenizer.py).
@@ -106,13 +118,34 @@ class Request:
         return (self.prompt_token_ids + self.output_token_ids)[start : start + n]
 
     @property
+    def gap_end(self) -> int:
+        """End of the run of tokens to compute next: the dropped prefix, or everything known."""
+        return self.recompute_until if self.resume_computed else self.num_tokens
+
+    def advance(self, n: int) -> None:
+        """n more tokens' KV is in the cache; a rebuilt prefix reconnects to the kept tail."""
+        self.num_computed_tokens += n
+        if self.resume_computed and self.num_computed_tokens >= self.recompute_until:
+            self.num_computed_tokens = self.resume_computed
+            self.resume_computed = self.recompute_until = 0
+
+    @property
+    def remaining_estimate(self) -> int:
+        """Tokens still to generate, from max_tokens (the only length a server knows up front)."""
+        return max(1, self.params.max_tokens - len(self.output_token_ids))
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Device KV blocks it holds (its table, or parked layers while swapped)."""
+        return len(self.block_ids) + len(self.park_block_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
 
 
 @dataclass

@@ -1,14 +1,25 @@
-"""Continuous batching: the batch is re-formed every step.
+"""Continuous batching with preemption: the batch is re-formed every step.
 
-Each step the scheduler first gives every running sequence its next tokens
-(one decode token, or the next prefill chunk), then admits waiting requests
-while the token budget, the prefill budget, `max_num_seqs` and the KV pool
-allow. A running sequence that needs a block when none is free takes it from
-the most recently admitted running sequence, which is preempted by recompute
-(its blocks are freed; its prompt and generated tokens are prefilled again on
-resume). Which running request is preempted is the victim policy's choice
-(engine/victim.py). The scheduler does no I/O and no model math; it returns what it
-decided as a `SchedulerOutput`.
+A step's decision, in order:
+1. (preemption on) keep device KV use at or below `memory_threshold`: while it
+   is above, a victim's KV leaves the device (S3).
+2. (preemption on, granularity token or layer) displacement: a waiting request
+   that cannot be admitted and outranks running requests (higher priority, or
+   equal priority and a remaining estimate `outrank_ratio` times shorter) takes
+   the place of victims chosen among those it outranks.
+3. Every running sequence gets its next tokens (one decode token, or the next
+   prefill chunk); one that needs a block when none is free takes it from a
+   victim (the victim policy); with preemption off the victim is recomputed.
+4. Waiting requests are admitted while the token budget, the prefill budget,
+   `max_num_seqs`, their tenant's quota and the KV pool allow. A swapped request
+   comes back with a swap-in; a dropped one re-allocates its dropped blocks and
+   rebuilds them with a prefix prefill.
+
+How a victim's KV leaves is the planner's choice (engine/preemption.py): swap,
+partial swap (last layers parked on the device) or recompute (oldest blocks
+dropped). Who is the victim is the victim policy's (engine/victim.py). The
+scheduler does no copies and no model math: it returns the KV moves it decided,
+in order, with the batch, as a `SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -18,9 +29,13 @@ from dataclasses import dataclass, field
 
 from gpuservd.config import PreemptionConfig, SchedulerConfig
 from gpuservd.engine.policy import Policy, queue_key
+from gpuservd.engine.preemption import (AutoMode, CostModel, Granularity, MoveKind, PreemptionMode,
+                                        plan_kind)
+from gpuservd.engine.quota import UNLIMITED, TenantQuota
 from gpuservd.engine.request import Request, RequestState
 from gpuservd.engine.victim import choose_victim, fallback_victim
 from gpuservd.kv_cache.block_pool import BlockPool
+from gpuservd.kv_cache.swap import KVMove, num_park_blocks
 
 
 @dataclass
@@ -34,6 +49,26 @@ class ScheduledChunk:
 
 
 @dataclass
+class Preemption:
+    """One victim: how its KV left the device and what that will cost (S6)."""
+
+    request_id: str
+    kind: str  # swap | partial_swap | recompute
+    reason: str  # memory | threshold | displaced
+    blocks_freed: int  # device blocks given back now
+    tokens_to_recompute: int  # recompute: tokens whose KV was dropped
+    move: KVMove | None = None  # swap / partial swap: the copy (bytes and seconds filled when executed)
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind, "request_id": self.request_id, "reason": self.reason,
+             "blocks_freed": self.blocks_freed, "tokens_to_recompute": self.tokens_to_recompute}
+        if self.move is not None:
+            d.update(bytes_moved=self.move.bytes_moved, bytes_parked=self.move.bytes_parked,
+                     seconds=self.move.seconds)
+        return d
+
+
+@dataclass
 class SchedulerOutput:
     """Everything one scheduling decision produced (also the telemetry's input)."""
 
@@ -41,7 +76,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # the batch, decode first
     num_prefill_tokens: int = 0  # tokens in multi-token chunks
     num_decode_tokens: int = 0  # one-token chunks
-    preempted_ids: list[str] = field(default_factory=list)  # preempted by recompute this step
+    preempted_ids: list[str] = field(default_factory=list)  # preempted this step
+    preemptions: list[Preemption] = field(default_factory=list)
+    moves: list[KVMove] = field(default_factory=list)  # swap-outs and swap-ins, to run in this order
     num_running: int = 0  # after this decision
     num_waiting: int = 0
     kv_blocks_used: int = 0
@@ -53,20 +90,43 @@ class SchedulerOutput:
         return not self.chunks
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What the planner needs to know about a block."""
+
+    num_layers: int
+    bytes_per_block: int
+
+
 class Scheduler:
     """Owns the waiting and running queues and the block tables of a model's requests."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
-                 preemption: PreemptionConfig | None = None):
+                 preemption: PreemptionConfig | None = None, host_pool=None, layout: KVLayout | None = None):
         self.config = config
         self.preemption = preemption or PreemptionConfig()
+        p = self.preemption
+        self.mode = PreemptionMode.parse(p.mode)
+        self.granularity = Granularity.parse(p.granularity)
+        self.kind = MoveKind.parse(p.kind)
         self.pool = pool
+        self.host = host_pool  # HostKVPool or None (no swap space: recompute only)
+        self.layout = layout or KVLayout(1, 0)
+        self.keep_layers = int(round(p.partial_keep_fraction * self.layout.num_layers))
         self.block_size = block_size
         self.policy = Policy.parse(config.policy)
         self._key = queue_key(self.policy)
+        self.cost = CostModel()
+        self.auto = AutoMode(p.auto_window, p.auto_ratio, p.auto_min_samples)
+        self.quotas: dict[str, TenantQuota] = {}
         self.waiting: list[Request] = []
-        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.running: list[Request] = []  # admission order
         self._step_id = 0
+
+    @property
+    def preemption_on(self) -> bool:
+        """Whether running requests may be displaced and KV moved by the planner right now."""
+        return self.mode is PreemptionMode.ON or (self.mode is PreemptionMode.AUTO and self.auto.enabled)
 
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
@@ -74,20 +134,25 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Take a request out of the queues and free its blocks (finish or abort)."""
+        """Take a request out of the queues and free everything it holds (finish or abort)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._free_blocks(request)
+        self._release(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _free_blocks(self, request: Request) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
+    def _release(self, r: Request) -> None:
+        """Free a request's device blocks, parked blocks and host blocks; it keeps no KV."""
+        for ids, pool in ((r.block_ids, self.pool), (r.park_block_ids, self.pool), (r.host_block_ids, self.host)):
+            if ids:
+                pool.free(ids)
+        r.block_ids, r.park_block_ids, r.host_block_ids = [], [], []
+        r.swapped_num_blocks = r.swap_host_layers = r.dropped_blocks = 0
+        r.recompute_until = r.resume_computed = 0
+        r.num_computed_tokens = 0
 
     def _blocks_needed(self, request: Request, num_new: int) -> int:
         total = -(-(request.num_computed_tokens + num_new) // self.block_size)
@@ -103,47 +168,193 @@ class Scheduler:
         request.block_ids.extend(got)
         return True
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: drop the victim's KV; it is prefilled again when resumed."""
+    def quota(self, tenant: str) -> TenantQuota:
+        return self.quotas.get(tenant, UNLIMITED)
+
+    # -- preemption -------------------------------------------------------
+    def _preempt(self, victim: Request, out: SchedulerOutput, need: int, reason: str) -> None:
+        """Take a running victim out of the batch; its KV leaves as the planner (or `off`) decides."""
         self.running.remove(victim)
-        self._free_blocks(victim)
-        victim.num_computed_tokens = 0
+        n = len(victim.block_ids)
+        lay = self.layout
+        if self.preemption_on:
+            kind = plan_kind(self.kind, self.cost, host_free=self.host.num_free if self.host else 0,
+                             n_blocks=n, need=need, bytes_per_block=lay.bytes_per_block,
+                             keep_layers=self.keep_layers, num_layers=lay.num_layers, block_size=self.block_size)
+        else:
+            kind = MoveKind.RECOMPUTE
+        if n == 0:
+            kind = MoveKind.RECOMPUTE
+        move = None
+        if kind in (MoveKind.SWAP, MoveKind.PARTIAL_SWAP):
+            keep = self.keep_layers if kind is MoveKind.PARTIAL_SWAP else 0
+            c = num_park_blocks(lay.num_layers, keep, n)
+            host = self.host.allocate(n)
+            move = KVMove(victim.request_id, "out", list(victim.block_ids), host, lay.num_layers - keep,
+                          victim.block_ids[:c])
+            out.moves.append(move)
+            self.pool.free(victim.block_ids[c:])
+            victim.park_block_ids, victim.host_block_ids = victim.block_ids[:c], host
+            victim.swapped_num_blocks, victim.swap_host_layers = n, lay.num_layers - keep
+            victim.block_ids = []
+            victim.state = RequestState.SWAPPED
+            freed, tokens = n - c, 0
+        else:
+            d = min(need, n)
+            computed = victim.num_computed_tokens
+            if self.preemption_on and 0 < d < n and computed > d * self.block_size and not victim.resume_computed:
+                # Drop the oldest d blocks (the tokens farthest from the current step); keep the tail.
+                self.pool.free(victim.block_ids[:d])
+                victim.block_ids = victim.block_ids[d:]
+                victim.dropped_blocks = d
+                victim.recompute_until, victim.resume_computed = d * self.block_size, computed
+                victim.num_computed_tokens = 0
+                freed, tokens = d, d * self.block_size
+            else:
+                freed, tokens = n, computed
+                self._release(victim)
+            victim.state = RequestState.PREEMPTED
         victim.num_preemptions += 1
-        victim.state = RequestState.PREEMPTED
+        victim.num_recomputed_tokens += tokens
         self.waiting.append(victim)
         out.preempted_ids.append(victim.request_id)
+        out.preemptions.append(Preemption(victim.request_id, kind.value, reason, freed, tokens, move))
+
+    def _outranks(self, w: Request, r: Request) -> bool:
+        if w.priority != r.priority:
+            return w.priority > r.priority
+        return r.remaining_estimate >= self.preemption.outrank_ratio * w.remaining_estimate
+
+    def _usable_blocks(self) -> int:
+        """Blocks admission may fill: the threshold's share of the pool while preemption is on."""
+        if not self.preemption_on:
+            return self.pool.num_blocks
+        return max(1, int(self.preemption.memory_threshold * self.pool.num_blocks))
+
+    def _admit_blocks(self, r: Request, num_new: int) -> int:
+        """Device blocks admitting r needs now."""
+        if r.state is RequestState.SWAPPED:
+            return r.swapped_num_blocks - len(r.park_block_ids) + self._swapped_growth(r, num_new)
+        if r.dropped_blocks:
+            return r.dropped_blocks
+        return self._blocks_needed(r, num_new)
+
+    def _swapped_growth(self, r: Request, num_new: int) -> int:
+        """Blocks a swapped request needs beyond its old table for its first chunk back."""
+        return max(0, -(-(r.num_computed_tokens + num_new) // self.block_size) - r.swapped_num_blocks)
+
+    def _tenant_usage(self) -> tuple[dict[str, int], dict[str, int]]:
+        seqs: dict[str, int] = {}
+        blocks: dict[str, int] = {}
+        for r in self.running:
+            seqs[r.tenant] = seqs.get(r.tenant, 0) + 1
+        for r in self.running + self.waiting:
+            if r.num_device_blocks:
+                blocks[r.tenant] = blocks.get(r.tenant, 0) + r.num_device_blocks
+        return seqs, blocks
+
+    def _tenant_allows(self, r: Request, extra_blocks: int, seqs: dict, blocks: dict) -> bool:
+        q = self.quota(r.tenant)
+        if q.max_running_seqs and seqs.get(r.tenant, 0) >= q.max_running_seqs:
+            return False
+        return not (q.max_kv_blocks and blocks.get(r.tenant, 0) + extra_blocks > q.max_kv_blocks)
+
+    def _order_waiting(self, seqs: dict[str, int]) -> None:
+        """Priority first; then, with preemption on, the shortest remaining estimate; tenants of
+        equal priority by running sequences per unit of weight; then the policy's own order."""
+        on = self.preemption_on
+
+        def key(r: Request):
+            share = seqs.get(r.tenant, 0) / self.quota(r.tenant).weight
+            return (-r.priority, r.remaining_estimate if on else 0, share) + self._key(r)
+
+        self.waiting.sort(key=key)
 
     # -- the decision -----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
-        t0_mono = time.monotonic()
+        now = time.monotonic()
         self._step_id += 1
-        cfg = self.config
         out = SchedulerOutput(step_id=self._step_id)
+        seqs, blocks = self._tenant_usage()
+        self._order_waiting(seqs)
+        if self.preemption_on:
+            self._enforce_threshold(out, now)
+            if self.granularity is not Granularity.REQUEST:
+                self._displace(out, now, seqs, blocks)
+        budgets = self._schedule_running(out, now)
+        if not out.chunks and self.running and not out.preempted_ids:
+            # Every running request needs a block, none is free and the guards protect them
+            # all: without this the engine would wait forever.
+            self._preempt(fallback_victim(self.running), out, need=1, reason="memory")
+        self._admit(out, *budgets)
+        out.num_running = len(self.running)
+        out.num_waiting = len(self.waiting)
+        out.kv_blocks_used = self.pool.num_used
+        out.kv_blocks_total = self.pool.num_blocks
+        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        out.decision_s = time.perf_counter() - t0
+        return out
+
+    def _enforce_threshold(self, out: SchedulerOutput, now: float) -> None:
+        usable = self._usable_blocks()
+        while self.pool.num_used > usable and len(self.running) > 1:
+            victim = choose_victim(self.running, self.preemption, now)
+            if victim is None:
+                return
+            self._preempt(victim, out, need=self.pool.num_used - usable, reason="threshold")
+
+    def _displace(self, out: SchedulerOutput, now: float, seqs: dict, blocks: dict) -> None:
+        """Waiting requests that outrank running ones take their places (at most
+        max_num_prefill_seqs victims a step)."""
+        cfg = self.config
+        slots = cfg.max_num_seqs - len(self.running)
+        reserved = 0
+        victims_left = cfg.max_num_prefill_seqs
+        for w in list(self.waiting):
+            if w.request_id in out.preempted_ids:
+                continue
+            need = self._admit_blocks(w, min(w.gap_end - w.num_computed_tokens, cfg.max_prefill_tokens))
+            if not self._tenant_allows(w, need, seqs, blocks):
+                continue
+            while slots < 1 or need > self._usable_blocks() - self.pool.num_used - reserved:
+                outranked = [r for r in self.running if self._outranks(w, r)]
+                victim = choose_victim(outranked, self.preemption, now) if victims_left > 0 else None
+                if victim is None:
+                    return  # w waits; requests ranked below it do not displace either
+                self._preempt(victim, out, need=max(1, need - (self._usable_blocks() - self.pool.num_used)),
+                              reason="displaced")
+                victims_left -= 1
+                slots += 1
+            slots -= 1
+            reserved += need
+
+    def _schedule_running(self, out: SchedulerOutput, now: float) -> tuple[int, int, int]:
+        cfg = self.config
         token_budget = cfg.max_num_batched_tokens
         prefill_budget = cfg.max_prefill_tokens
         prefill_seqs = 0
         scheduled: set[int] = set()
-
         for req in list(self.running):
             if token_budget <= 0:
                 break
             if req not in self.running:
                 continue  # preempted as a victim earlier in this loop
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining > 1:  # still prefilling (prompt or recompute)
+            remaining = req.gap_end - req.num_computed_tokens
+            if remaining > 1:  # still prefilling (prompt, recompute or a dropped prefix)
                 if prefill_seqs >= cfg.max_num_prefill_seqs or prefill_budget <= 0:
                     continue
                 num_new = min(remaining, prefill_budget, token_budget)
             else:
                 num_new = 1
+            if not self._within_tenant_blocks(req, num_new, out, now, scheduled):
+                continue
             while not self._grow(req, num_new):
-                # A running request that got nothing this step gives its blocks back.
                 candidates = [r for r in self.running if id(r) not in scheduled]
-                victim = choose_victim(candidates, self.preemption, t0_mono)
+                victim = choose_victim(candidates, self.preemption, now)
                 if victim is None:
                     break
-                self._preempt(victim, out)
+                self._preempt(victim, out, need=self._blocks_needed(req, num_new), reason="memory")
                 if victim is req:
                     break
             if req not in self.running or self._blocks_needed(req, num_new):
@@ -154,44 +365,108 @@ class Scheduler:
             if remaining > 1:
                 prefill_budget -= num_new
                 prefill_seqs += 1
+        return token_budget, prefill_budget, prefill_seqs
 
-        if not out.chunks and self.running and not out.preempted_ids:
-            # Every running request needs a block, none is free and the guards protect them
-            # all: without this the engine would wait forever.
-            self._preempt(fallback_victim(self.running), out)
-        if not out.preempted_ids:
-            self._admit(out, token_budget, prefill_budget, prefill_seqs)
-        out.num_running = len(self.running)
-        out.num_waiting = len(self.waiting)
-        out.kv_blocks_used = self.pool.num_used
-        out.kv_blocks_total = self.pool.num_blocks
-        out.chunks.sort(key=lambda c: c.num_tokens != 1)
-        out.decision_s = time.perf_counter() - t0
-        return out
+    def _within_tenant_blocks(self, req: Request, num_new: int, out: SchedulerOutput, now: float,
+                              scheduled: set[int]) -> bool:
+        """A tenant at its KV block quota grows only by taking blocks from its own requests:
+        its waiting ones' kept blocks first, then a running victim of the same tenant."""
+        cap = self.quota(req.tenant).max_kv_blocks
+        if not cap:
+            return True
+        while True:
+            held = sum(r.num_device_blocks for r in self.running + self.waiting if r.tenant == req.tenant)
+            over = held + self._blocks_needed(req, num_new) - cap
+            if over <= 0:
+                return True
+            holder = next((r for r in reversed(self.waiting) if r.tenant == req.tenant and r.num_device_blocks
+                           and r.request_id not in out.preempted_ids), None)
+            if holder is not None:
+                holder.num_recomputed_tokens += holder.resume_computed or holder.num_computed_tokens
+                self._release(holder)
+                holder.state = RequestState.PREEMPTED
+                continue
+            own = [r for r in self.running if r.tenant == req.tenant and id(r) not in scheduled]
+            if not own:
+                return False  # its blocks are parked by this step's victims: it waits a step
+            victim = choose_victim(own, self.preemption, now) or fallback_victim(own)
+            self._preempt(victim, out, need=over, reason="tenant_quota")
+            if victim is req:
+                return False
 
     def _admit(self, out: SchedulerOutput, token_budget: int, prefill_budget: int, prefill_seqs: int) -> None:
         cfg = self.config
-        self.waiting.sort(key=self._key)
-        while (
-            self.waiting
-            and token_budget > 0
-            and prefill_budget > 0
-            and prefill_seqs < cfg.max_num_prefill_seqs
-            and len(self.running) < cfg.max_num_seqs
-        ):
-            req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
+        seqs, blocks = self._tenant_usage()
+        usable = self._usable_blocks()
+        just_preempted = set(out.preempted_ids)
+        for req in list(self.waiting):
+            if (token_budget <= 0 or prefill_budget <= 0 or prefill_seqs >= cfg.max_num_prefill_seqs
+                    or len(self.running) >= cfg.max_num_seqs):
+                return
+            if req.request_id in just_preempted:
+                continue
+            remaining = req.gap_end - req.num_computed_tokens
             num_new = min(remaining, prefill_budget, token_budget)
-            if not self._grow(req, num_new):
-                break  # the pool is full: new requests wait
-            self.waiting.pop(0)
+            need = self._admit_blocks(req, num_new)
+            if not self._tenant_allows(req, need, seqs, blocks):
+                continue  # over its tenant's quota: waits without blocking others
+            room = (usable if self.running else self.pool.num_blocks) - self.pool.num_used
+            if need > room and not self._reclaim_from_waiting(req, need - room, just_preempted):
+                return  # the pool is full: this request and those after it wait
+            if not self._resume(out, req, num_new):
+                return
+            self.waiting.remove(req)
             req.state = RequestState.RUNNING
             req.admitted_time = time.monotonic()
             self.running.append(req)
+            seqs[req.tenant] = seqs.get(req.tenant, 0) + 1
+            blocks[req.tenant] = blocks.get(req.tenant, 0) + need
             self._add_chunk(out, req, num_new)
             token_budget -= num_new
-            prefill_budget -= num_new
-            prefill_seqs += 1
+            if num_new > 1:
+                prefill_budget -= num_new
+                prefill_seqs += 1
+
+    def _resume(self, out: SchedulerOutput, req: Request, num_new: int) -> bool:
+        """Give an admitted request the device blocks it needs (swap-in, dropped prefix, first chunk)."""
+        if req.state is RequestState.SWAPPED:
+            n = req.swapped_num_blocks
+            new = self.pool.allocate(n - len(req.park_block_ids) + self._swapped_growth(req, num_new))
+            if new is None:
+                return False
+            # The parked blocks become the first blocks of the new table (unparked in place).
+            fresh = req.park_block_ids + new
+            out.moves.append(KVMove(req.request_id, "in", fresh[:n], req.host_block_ids, req.swap_host_layers,
+                                    req.park_block_ids))
+            # Host blocks are freed now and reused at the earliest by a later move: moves run in order.
+            self.host.free(req.host_block_ids)
+            req.block_ids, req.park_block_ids, req.host_block_ids = fresh, [], []
+            req.swapped_num_blocks = req.swap_host_layers = 0
+            return True
+        if req.dropped_blocks:
+            fresh = self.pool.allocate(req.dropped_blocks)
+            if fresh is None:
+                return False
+            req.block_ids = fresh + req.block_ids
+            req.dropped_blocks = 0
+            return True
+        return self._grow(req, num_new)
+
+    def _reclaim_from_waiting(self, head: Request, need: int, keep: set[str]) -> bool:
+        """Free device blocks held by waiting requests ranked after `head` (kept tails, parked layers),
+        lowest-ranked first, by dropping their KV for a full recompute. True if `need` blocks were freed.
+        Without this, paused requests holding blocks could leave nothing for the one that must run."""
+        below = self.waiting[self.waiting.index(head) + 1:]
+        for r in reversed(below):
+            if need <= 0:
+                break
+            if not r.num_device_blocks or r.request_id in keep:
+                continue
+            need -= r.num_device_blocks
+            r.num_recomputed_tokens += r.resume_computed or r.num_computed_tokens
+            self._release(r)
+            r.state = RequestState.PREEMPTED
+        return need <= 0
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens

@@ -31,6 +31,13 @@ class StepRecord:
     num_preempted: int  # requests preempted this step
     num_finished: int  # requests that finished this step
     preempted_ids: list[str] = field(default_factory=list)  # which requests were preempted this step
+    swap_s: float = 0.0  # KV copies (swap out / in, parking) before the forward
+    preemptions: list[dict] = field(default_factory=list)  # per victim: kind, reason, blocks, bytes, seconds
+    swaps: list[dict] = field(default_factory=list)  # per copy: swap_out / swap_in, bytes, seconds
+    events: list[dict] = field(default_factory=list)  # e.g. auto mode switches, with their evidence
+    preemption_on: bool = False  # displacement and the planner active at this step
+    kv_host_blocks_used: int = 0  # the host swap pool
+    kv_host_blocks_total: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

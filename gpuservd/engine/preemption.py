@@ -1,0 +1,160 @@
+"""Preemption settings, the planner's cost model and auto mode (S2-S4, S6, S7).
+
+- `PreemptionMode`: `on` lets a waiting request displace a running one (higher
+  priority, or at equal priority a much shorter remaining estimate); `off`
+  behaves like vLLM's default (nothing is displaced; when KV runs out the newest
+  running request is recomputed); `auto` switches between the two from the
+  skew of recent output lengths (`AutoMode`).
+- `Granularity`: `request` moves a running request only when memory runs out;
+  `token` also lets the scheduler pause any request at any step boundary;
+  `layer` also suspends a running forward between transformer layers when an
+  urgent (higher-priority) request arrives mid-step.
+- `MoveKind`: how a victim's KV leaves the device. `CostModel` keeps running
+  measurements (host copy bandwidth, device copy bandwidth, prefill rate) and
+  the planner picks the cheapest kind that frees what is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from gpuservd.errors import parse_choice
+
+
+class PreemptionMode(str, enum.Enum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, name: str) -> "PreemptionMode":
+        return parse_choice(cls, name, "preemption.mode")
+
+
+class Granularity(str, enum.Enum):
+    REQUEST = "request"
+    TOKEN = "token"
+    LAYER = "layer"
+
+    @classmethod
+    def parse(cls, name: str) -> "Granularity":
+        return parse_choice(cls, name, "preemption.granularity")
+
+
+class MoveKind(str, enum.Enum):
+    AUTO = "auto"  # the planner decides per victim
+    SWAP = "swap"  # every layer to the host
+    PARTIAL_SWAP = "partial_swap"  # layers [0, L-k) to the host, the last k parked on the device
+    RECOMPUTE = "recompute"  # drop the oldest blocks; rebuilt by a prefix prefill on resume
+
+    @classmethod
+    def parse(cls, name: str) -> "MoveKind":
+        return parse_choice(cls, name, "preemption.kind")
+
+
+def _ewma(old: float | None, new: float, alpha: float = 0.3) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+@dataclass
+class CostModel:
+    """Run-time measurements the planner prices moves with (bytes/s and tokens/s; None = not yet seen)."""
+
+    host_bandwidth: float | None = None  # device <-> host copy, bytes/s
+    device_bandwidth: float | None = None  # device <-> device copy (parking), bytes/s
+    prefill_rate: float | None = None  # prefill tokens/s of recent steps
+
+    def observe_copy(self, bytes_moved: int, bytes_parked: int, seconds: float) -> None:
+        """One executed move: a full swap measures the host link; a partial swap's time left after
+        its host bytes (at the known host bandwidth) measures device-side parking."""
+        if seconds <= 0:
+            return
+        if bytes_moved and not bytes_parked:
+            self.host_bandwidth = _ewma(self.host_bandwidth, bytes_moved / seconds)
+        elif bytes_parked:
+            host_s = bytes_moved / self.host_bandwidth if (bytes_moved and self.host_bandwidth) else 0.0
+            if seconds - host_s > 0:
+                self.device_bandwidth = _ewma(self.device_bandwidth, bytes_parked / (seconds - host_s))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16 and seconds > 0:
+            self.prefill_rate = _ewma(self.prefill_rate, tokens / seconds)
+
+    def swap_cost_s(self, nbytes_host: int, nbytes_park: int) -> float | None:
+        """Out and back in."""
+        if self.host_bandwidth is None:
+            return None
+        dev_bw = self.device_bandwidth or self.host_bandwidth
+        return 2 * nbytes_host / self.host_bandwidth + nbytes_park / dev_bw
+
+    def recompute_cost_s(self, tokens: int) -> float | None:
+        return None if self.prefill_rate is None else tokens / self.prefill_rate
+
+    def to_dict(self) -> dict:
+        return {"host_bandwidth": self.host_bandwidth, "device_bandwidth": self.device_bandwidth,
+                "prefill_rate": self.prefill_rate}
+
+
+def plan_kind(forced: MoveKind, cost: CostModel, *, host_free: int, n_blocks: int, need: int,
+              bytes_per_block: int, keep_layers: int, num_layers: int, block_size: int) -> MoveKind:
+    """The kind of move for a victim holding n_blocks when `need` blocks must be freed.
+
+    Swap needs n_blocks free host blocks; otherwise the victim is recomputed. Under `auto`
+    the cheapest of the kinds that free at least `need` blocks wins; before any measurement
+    exists, swap (a copy costs no model math) is assumed cheaper.
+    """
+    if forced is not MoveKind.AUTO:
+        if forced in (MoveKind.SWAP, MoveKind.PARTIAL_SWAP) and host_free < n_blocks:
+            return MoveKind.RECOMPUTE
+        if forced is MoveKind.PARTIAL_SWAP and keep_layers == 0:
+            return MoveKind.SWAP
+        return forced
+    options: dict[MoveKind, float | None] = {}
+    drop = min(n_blocks, need)
+    options[MoveKind.RECOMPUTE] = cost.recompute_cost_s(drop * block_size)
+    if host_free >= n_blocks:
+        options[MoveKind.SWAP] = cost.swap_cost_s(n_blocks * bytes_per_block, 0)
+        parked = -(-keep_layers * n_blocks // num_layers) if keep_layers else n_blocks
+        if keep_layers and n_blocks - parked >= min(need, n_blocks):
+            layer_bytes = bytes_per_block // num_layers
+            options[MoveKind.PARTIAL_SWAP] = cost.swap_cost_s(
+                n_blocks * (num_layers - keep_layers) * layer_bytes, 2 * n_blocks * keep_layers * layer_bytes)
+    known = {k: v for k, v in options.items() if v is not None}
+    if not known:
+        return MoveKind.SWAP if MoveKind.SWAP in options else MoveKind.RECOMPUTE
+    if MoveKind.SWAP in options and options[MoveKind.SWAP] is None:
+        return MoveKind.SWAP
+    return min(known, key=known.get)
+
+
+def percentile(sorted_values: list[int], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    idx = min(len(sorted_values) - 1, max(0, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    return float(sorted_values[idx])
+
+
+class AutoMode:
+    """Preemption on while P99/P50 of recent output lengths exceeds `ratio` (S7)."""
+
+    def __init__(self, window: int, ratio: float, min_samples: int):
+        self.lengths: deque[int] = deque(maxlen=window)
+        self.ratio = ratio
+        self.min_samples = min_samples
+        self.enabled = False
+
+    def observe(self, output_len: int) -> dict | None:
+        """Record a finished request's output length; returns a switch event (with its evidence) or None."""
+        self.lengths.append(max(1, output_len))
+        if len(self.lengths) < self.min_samples:
+            return None
+        values = sorted(self.lengths)
+        p50, p99 = percentile(values, 50), percentile(values, 99)
+        skew = p99 / p50
+        want = skew > self.ratio
+        if want == self.enabled:
+            return None
+        self.enabled = want
+        return {"kind": "preemption_mode", "enabled": want, "p50": p50, "p99": p99, "ratio": round(skew, 3),
+                "threshold": self.ratio, "window": len(values)}
