@@ -274,7 +274,7 @@ class Daemon:
             setattr(old, f, v)
         engine_changed = new.engine != self.cfg.engine
         self.cfg.engine = new.engine  # applies at the next model load
-        self.serving.tenants = tenants
+        self.serving.set_tenants(tenants)
         for slot in self.serving.slots.values():
             if slot.loop is not None:
                 slot.loop.admission_window_s = old.admission_window_ms / 1000

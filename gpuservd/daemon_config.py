@@ -18,7 +18,7 @@ from gpuservd.errors import UserError
 from gpuservd.paths import daemon_socket_path
 
 SYSTEM_CONFIG = Path("/etc/gpuserv/gpuserv.yaml")
-SECTIONS = ("engine", "scheduler", "server")
+SECTIONS = ("engine", "scheduler", "preemption", "server")
 
 
 @dataclass
@@ -124,7 +124,7 @@ class DaemonConfig:
 def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonConfig:
     data = data or {}
     if not isinstance(data, dict):
-        raise UserError(f"{where}: the top level must be a mapping with engine:, scheduler: and server: sections")
+        raise UserError(f"{where}: the top level must be a mapping with engine:, scheduler:, preemption: and server: sections")
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise UserError(f"{where}: unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}")

@@ -78,6 +78,7 @@ class LoopSnapshot:
     num_steps: int = 0  # engine steps so far
     heartbeat: float = field(default_factory=time.monotonic)  # monotonic time of the last iteration
     num_engine_errors: int = 0  # steps that raised
+    preemption: dict | None = None  # the scheduler's preemption state (engine.preemption_status())
 
 
 class EngineHooks(Protocol):
@@ -156,6 +157,7 @@ class EngineLoop:
             self.ready.set_exception(exc)
             return
         engine.telemetry.subscribe(self._records.append)
+        engine.interrupt = self._urgent_waiting
         self._beat()
         self.ready.set_result(engine)
         while True:
@@ -192,8 +194,7 @@ class EngineLoop:
             self._records.clear()
             for rec in records:
                 events.append({"type": "step", **rec.to_dict()})
-                if rec.num_preempted:
-                    events.append(self._preemption_event(rec))
+                events.extend(self._detail_events(rec))
                 if self._hooks is not None:
                     self._hooks.on_step(self.model, rec, outputs)
             self._beat()
@@ -217,7 +218,8 @@ class EngineLoop:
         s = self.snapshot
         self.snapshot = LoopSnapshot(
             self.model, len(e.scheduler.running), len(e.scheduler.waiting), len(e.requests), e.pool.num_used,
-            e.pool.num_blocks, e.telemetry.num_steps, time.monotonic(), s.num_engine_errors)
+            e.pool.num_blocks, e.telemetry.num_steps, time.monotonic(), s.num_engine_errors,
+            e.preemption_status())
 
     def _apply(self, cmd: tuple, deliveries: list) -> None:
         kind = cmd[0]
@@ -272,9 +274,24 @@ class EngineLoop:
                 pass
         self._sinks.clear()
 
-    def _preemption_event(self, rec) -> dict:
-        return {"type": "preemption", "t": rec.t, "model": self.model, "step_id": rec.step_id,
-                "num_preempted": rec.num_preempted, "request_ids": list(rec.preempted_ids)}
+    def _detail_events(self, rec) -> list[dict]:
+        """A step's preemptions, KV swaps and mode changes as events of their own (for the console,
+        `gpuserv events` and the logs): the step record has them too, but one line per fact reads better."""
+        base = {"t": rec.t, "model": self.model, "step_id": rec.step_id}
+        out = []
+        if rec.num_preempted:
+            out.append({"type": "preemption", **base, "num_preempted": rec.num_preempted,
+                        "request_ids": list(rec.preempted_ids), "victims": list(rec.preemptions)})
+        for m in rec.swaps:
+            out.append({"type": "swap", **base, **m})
+        for e in rec.events:
+            out.append({"type": e["kind"], **base, **{k: v for k, v in e.items() if k != "kind"}})
+        return out
+
+    def _urgent_waiting(self, priority: int) -> bool:
+        """Engine thread, mid-forward (layer granularity): is a request above `priority` in the inbox?
+        Reads the list without the lock: it is only ever replaced whole or appended to."""
+        return any(cmd[0] == "submit" and cmd[1].priority > priority for cmd in list(self._inbox))
 
     def _log_internal(self, exc: BaseException, request_id: str) -> str:
         error_id = f"err-{uuid.uuid4().hex[:12]}"

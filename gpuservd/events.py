@@ -2,7 +2,8 @@
 
 Events are dicts with a "type" ("step" for a per-step record; "preemption",
 "model_load", "model_unload", "drain", "reload", "request_finished",
-"engine_error", later "swap" and "hint"). Publishing happens on the event
+"engine_error", "swap" (a KV copy to or from the host pool), "preemption_mode" (auto mode
+switched, with its evidence), "layer_suspend" / "layer_resume", later "hint"). Publishing happens on the event
 loop (the engine threads post there once per step). Each reader has its own
 bounded queue: a reader that falls behind loses events rather than slowing
 the engine, and is told how many with a "dropped" event.

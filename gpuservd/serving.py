@@ -56,6 +56,14 @@ class Serving:
         self.tcp: str | None = None
 
     # ---- admission --------------------------------------------------------------------------------
+
+    def set_tenants(self, tenants: TenantMap) -> None:
+        """New tenants (reload): identity and queue limits at once, engine quotas between steps."""
+        self.tenants = tenants
+        quotas = tenants.quotas()
+        for slot in self.slots.values():
+            if slot.loop is not None and slot.loop.engine is not None:
+                slot.loop.call(lambda engine: engine.set_tenant_quotas(quotas))
     def reject(self, reason: str) -> None:
         self.num_rejected_total += 1
         if self.metrics is not None:
@@ -211,7 +219,12 @@ class Serving:
         from gpuservd.engine.engine import LLMEngine
         from gpuservd.engine.tokenizer import load_tokenizer
 
-        loop = EngineLoop(name, lambda: LLMEngine(name, model_dir, cfg), asyncio.get_running_loop(), self.on_post,
+        def build():
+            engine = LLMEngine(name, model_dir, cfg)
+            engine.set_tenant_quotas(self.tenants.quotas())
+            return engine
+
+        loop = EngineLoop(name, build, asyncio.get_running_loop(), self.on_post,
                           self.metrics, self.config.server.admission_window_ms / 1000)
         try:
             loop.start()
@@ -331,7 +344,8 @@ class Serving:
             kv_blocks_free=(snap.kv_blocks_total - snap.kv_blocks_used) if snap else 0,
             kv_block_size=slot.config.block_size, num_running=snap.num_running if snap else 0,
             num_waiting=snap.num_waiting if snap else 0, num_in_flight=slot.num_in_flight,
-            max_model_len=slot.max_model_len, num_steps=snap.num_steps if snap else 0, error=slot.error)
+            max_model_len=slot.max_model_len, num_steps=snap.num_steps if snap else 0, error=slot.error,
+            preemption=snap.preemption if snap else None)
 
     def status(self) -> dict:
         st = DaemonStatus(

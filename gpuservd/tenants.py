@@ -28,6 +28,14 @@ class Tenant:
     max_priority: int | None = None  # the highest priority its requests may ask for (None = priority)
     max_queued: int | None = None  # its requests waiting for a first token (None = server.max_queued_per_tenant)
     max_in_flight: int = 0  # its unfinished requests at most (0 = no limit)
+    weight: float = 1.0  # share of each model's batch among tenants of equal priority
+    max_running_seqs: int = 0  # its sequences in a model's running batch at most (0 = no limit)
+    max_kv_blocks: int = 0  # KV blocks its requests may hold in a model's pool (0 = no limit)
+
+    def quota(self):
+        from gpuservd.engine.quota import TenantQuota
+
+        return TenantQuota(self.weight, self.max_running_seqs, self.max_kv_blocks)
 
     def effective_priority(self, asked: int | None) -> int:
         """The request's priority: what it asked for, capped at max_priority."""
@@ -65,6 +73,11 @@ def _check(t: Tenant, where: str) -> None:
         raise UserError(f"{where}.max_queued must be >= 1, got {t.max_queued}")
     if t.max_in_flight < 0:
         raise UserError(f"{where}.max_in_flight must be >= 0 (0 = no limit), got {t.max_in_flight}")
+    if not isinstance(t.weight, (int, float)) or isinstance(t.weight, bool) or t.weight <= 0:
+        raise UserError(f"{where}.weight must be a number > 0, got {t.weight!r}")
+    for name in ("max_running_seqs", "max_kv_blocks"):
+        if getattr(t, name) < 0:
+            raise UserError(f"{where}.{name} must be >= 0 (0 = no limit), got {getattr(t, name)}")
 
 
 class TenantMap:
@@ -109,6 +122,10 @@ class TenantMap:
             _check(t, f"{path}: tenants[{i}]")
             tenants.append(t)
         return cls(default, tenants, Path(path))
+
+    def quotas(self) -> dict:
+        """name -> TenantQuota, for every model's engine."""
+        return {name: t.quota() for name, t in self.tenants.items()}
 
     def names(self) -> list[str]:
         return sorted(self.tenants)

@@ -193,3 +193,50 @@ def test_config_rejects_bad_preemption_settings():
                        (dict(kind="teleport"), "swap"), (dict(memory_threshold=1.5), "memory_threshold")]:
         with pytest.raises(UserError, match=match):
             EngineConfig(preemption=PreemptionConfig(**bad)).validate()
+
+
+def test_layer_suspend_serves_urgent_request_then_resumes_exactly(tiny_model_dir, reference):
+    """granularity=layer: a prefill forward stops after its first layer when an urgent request is
+    waiting; the urgent request runs alone next step; the suspended forward resumes at layer 1."""
+    eng = engine(tiny_model_dir, mode="on", granularity="layer", scheduler=dict(max_prefill_tokens=64))
+    ps = prompts()
+    urgent: list = []
+    calls: list[int] = []
+    eng.interrupt = lambda prio: calls.append(prio) or any(p > prio for p in urgent)
+    got: dict[str, list[int]] = {"bulk": [], "vip": []}
+    eng.add_request("bulk", ps[0], SamplingParams(max_tokens=12, **PARAMS))
+    urgent.append(5)  # arrives while bulk's prefill runs
+    assert eng.step() == []  # suspended after layer 0
+    assert eng._suspended is not None and eng._suspended.checkpoint.next_layer == 1
+    urgent.clear()
+    eng.add_request("vip", ps[1], SamplingParams(max_tokens=12, **PARAMS), priority=5)
+    outs = eng.step()  # vip's prefill alone, bulk untouched
+    assert [o.request_id for o in outs] == ["vip"]
+    outs += eng.step()  # bulk's forward resumes at layer 1 and samples its first token
+    assert "bulk" in {o.request_id for o in outs}
+    for o in outs:
+        got[o.request_id] += o.new_token_ids
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    assert [got["bulk"], got["vip"]] == reference[:2]
+    kinds = [e["kind"] for s in eng.telemetry.recent() for e in s.events]
+    assert kinds[:2] == ["layer_suspend", "layer_resume"]
+    assert calls and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_abort_of_a_suspended_request_finishes_its_forward_first(tiny_model_dir):
+    eng = engine(tiny_model_dir, mode="on", granularity="layer", scheduler=dict(max_prefill_tokens=64))
+    ps = prompts()
+    eng.interrupt = lambda prio: True
+    eng.add_request("a", ps[0], SamplingParams(max_tokens=5, **PARAMS))
+    eng.add_request("b", ps[1], SamplingParams(max_tokens=5, **PARAMS))
+    assert eng.step() == [] and eng._suspended is not None
+    out = eng.abort("a")
+    assert out.finished and eng._suspended is None
+    nxt = eng.step()
+    assert "b" in {o.request_id for o in nxt}  # b's token from the finished forward is not lost
+    eng.interrupt = None
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.pool.num_free == eng.pool.num_blocks

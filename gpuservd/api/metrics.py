@@ -54,6 +54,15 @@ class Metrics:
                               buckets=STEP_BUCKETS, registry=r)
         self.decision = Histogram("gpuserv_scheduler_decision_seconds", "Scheduler decision time per step (S6)", m,
                                   buckets=STEP_BUCKETS, registry=r)
+        self.preemptions_by_kind = Counter("gpuserv_preemptions", "Preemptions by how the KV left and why",
+                                           m + ["kind", "reason"], registry=r)
+        self.swap_bytes = Counter("gpuserv_kv_swap_bytes", "KV bytes copied between the device and host pools",
+                                  m + ["direction"], registry=r)
+        self.swap_seconds = Counter("gpuserv_kv_swap_seconds", "Time spent copying KV to and from the host pool",
+                                    m + ["direction"], registry=r)
+        self.recomputed_tokens = Counter("gpuserv_preemption_recompute_tokens",
+                                         "Tokens whose KV was dropped by a preemption and must be prefilled again",
+                                         m, registry=r)
         self.rejections = Counter("gpuserv_requests_rejected", "Requests refused before reaching an engine",
                                   ["reason"], registry=r)
         self.http_errors = Counter("gpuserv_http_errors", "Error responses", ["status"], registry=r)
@@ -63,8 +72,11 @@ class Metrics:
     def add_model(self, model: str) -> None:
         """Create the model's series at zero, so dashboards see them before the first request."""
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.itl,
-                       self.e2e, self.step, self.decision):
+                       self.e2e, self.step, self.decision, self.recomputed_tokens):
             metric.labels(model)
+        for direction in ("out", "in"):
+            self.swap_bytes.labels(model, direction)
+            self.swap_seconds.labels(model, direction)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model, reason)
 
@@ -74,6 +86,14 @@ class Metrics:
         self.decision.labels(model).observe(rec.decision_s)
         if rec.num_preempted:
             self.preemptions.labels(model).inc(rec.num_preempted)
+            for p in rec.preemptions:
+                self.preemptions_by_kind.labels(model, p["kind"], p["reason"]).inc()
+                if p["tokens_to_recompute"]:
+                    self.recomputed_tokens.labels(model).inc(p["tokens_to_recompute"])
+        for m in rec.swaps:
+            direction = m["kind"].removeprefix("swap_")
+            self.swap_bytes.labels(model, direction).inc(m["bytes_moved"])
+            self.swap_seconds.labels(model, direction).inc(m["seconds"])
         now = time.monotonic()
         generated = 0
         for out in outputs:

@@ -22,6 +22,7 @@ class ModelStatus:
     max_model_len: int  # context length
     num_steps: int  # engine steps so far
     error: str | None = None  # why it failed (state == failed)
+    preemption: dict | None = None  # mode, enabled, granularity, kind, policy, host pool, swapped, costs
 
 
 @dataclass

@@ -14,14 +14,16 @@ import torch
 
 from gpuservd.config import EngineConfig
 from gpuservd.engine import detokenizer
+from gpuservd.engine.preemption import Granularity
+from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from gpuservd.engine.sampler import sample
-from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.scheduler import KVLayout, Scheduler, SchedulerOutput
 from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.swap import HostKVPool, Swapper
 from gpuservd.runner.batch import SeqChunk
+from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
 
 
@@ -63,6 +65,11 @@ class LLMEngine:
         # The planner prices swaps with this link's measured bandwidth from the start.
         self.scheduler.cost.host_bandwidth = self.swapper.probe_bandwidth()
         self._events: list[dict] = []  # non-step events (auto-mode switches) for the next StepRecord
+        # Layer granularity: interrupt(priority) -> True when a request more urgent than that priority
+        # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).
+        self.interrupt = None
+        self._suspended: _Suspended | None = None
+        self._carried: list[RequestOutput] = []  # outputs of a suspended forward finished by an abort
         self.telemetry = Telemetry(config.telemetry_ring_size)
         self.requests: dict[str, Request] = {}
 
@@ -127,14 +134,31 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its KV blocks are free when this returns. Returns its final output
         (finish reason `abort`), or None when the id is unknown or already finished."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if request_id not in self.requests:
             return None
+        if self._suspended is not None and self.requests[request_id] in self._suspended.requests:
+            # Its KV is half written by a suspended forward: finish that forward first, so no
+            # freed block is written afterwards; the others' tokens go out with the next step.
+            self._carried += self._finish_suspended()
+            if request_id not in self.requests:
+                return None  # it finished in that forward
+        req = self.requests.pop(request_id)
         self.scheduler.remove(req)
         return self._finish(req, RequestState.FINISHED_ABORTED, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._carried)
+
+    def preemption_status(self) -> dict:
+        """The preemption settings in force and the state of the host pool (for /admin/status)."""
+        sc = self.scheduler
+        p = self.config.preemption
+        return {"mode": p.mode, "enabled": sc.preemption_on, "granularity": p.granularity, "kind": p.kind,
+                "victim_policy": p.victim_policy, "memory_threshold": p.memory_threshold,
+                "host_blocks_used": self.host_pool.num_used, "host_blocks_total": self.host_pool.num_blocks,
+                "num_swapped": sum(r.state is RequestState.SWAPPED for r in sc.waiting),
+                "num_suspended": len(self._suspended.requests) if self._suspended else 0,
+                "costs": sc.cost.to_dict()}
 
     def set_tenant_quotas(self, quotas: dict[str, TenantQuota]) -> None:
         """Per-tenant limits (weight, running sequences, KV blocks); replaces the previous set."""
@@ -142,8 +166,23 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, move KV, forward, sample. With granularity `layer`, a forward that
+        carries prefill may stop between layers when `interrupt(batch priority)` says a more urgent
+        request is waiting; the next step serves the waiting request(s) without the suspended batch,
+        and the one after finishes the suspended forward from the layer where it stopped."""
+        carried, self._carried = self._carried, []
+        if self._suspended is not None and self._suspended.served:
+            return carried + self._finish_suspended()
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        inflight = self._suspended.requests if self._suspended is not None else []
+        for r in inflight:  # in the middle of a forward: not schedulable, not a victim
+            self.scheduler.running.remove(r)
+        try:
+            sched = self.scheduler.schedule()
+        finally:
+            self.scheduler.running[:0] = inflight
+        if self._suspended is not None:
+            self._suspended.served = True
         forward_s = 0.0
         outputs: list[RequestOutput] = []
         ts = time.perf_counter()
@@ -162,11 +201,43 @@ class LLMEngine:
                 for c in sched.chunks
             ]
             t1 = time.perf_counter()
-            logits = self.runner.execute(chunks)
+            result = self.runner.execute(chunks, suspend=self._suspend_check(sched))
             forward_s = time.perf_counter() - t1
-            if sched.num_prefill_tokens >= 4 * sched.num_decode_tokens:
-                self.scheduler.cost.observe_prefill(sched.num_prefill_tokens, forward_s)
-            outputs = self._update(sched, logits)
+            if isinstance(result, LayerCheckpoint):
+                self._suspended = _Suspended(sched, result, [c.request for c in sched.chunks], forward_s)
+                self._events.append({"kind": "layer_suspend", "layer": result.next_layer,
+                                     "request_ids": [c.request.request_id for c in sched.chunks]})
+            else:
+                if sched.num_prefill_tokens >= 4 * sched.num_decode_tokens:
+                    self.scheduler.cost.observe_prefill(sched.num_prefill_tokens, forward_s)
+                outputs = self._update(sched, result)
+        self._record(sched, t0, forward_s, swap_s, outputs)
+        return carried + outputs
+
+    def _suspend_check(self, sched: SchedulerOutput):
+        """The per-layer predicate for this step's forward, or None when it may not be suspended."""
+        if (self.interrupt is None or self._suspended is not None or not sched.num_prefill_tokens
+                or self.scheduler.granularity is not Granularity.LAYER or not self.scheduler.preemption_on):
+            return None
+        top = max(c.request.priority for c in sched.chunks)
+        return lambda layer: self.interrupt(top)
+
+    def _finish_suspended(self) -> list[RequestOutput]:
+        """Run the rest of a suspended forward and hand out its tokens (a step of its own)."""
+        sus, self._suspended = self._suspended, None
+        t0 = time.perf_counter()
+        logits = self.runner.resume(sus.checkpoint)
+        forward_s = time.perf_counter() - t0
+        self._events.append({"kind": "layer_resume", "layer": sus.checkpoint.next_layer,
+                             "request_ids": [r.request_id for r in sus.requests]})
+        outputs = self._update(sus.sched, logits)
+        sus.sched.decision_s = 0.0
+        sus.sched.preemptions, sus.sched.moves, sus.sched.preempted_ids = [], [], []
+        self._record(sus.sched, t0, forward_s, 0.0, outputs)
+        return outputs
+
+    def _record(self, sched: SchedulerOutput, t0: float, forward_s: float, swap_s: float,
+                outputs: list[RequestOutput]) -> None:
         t2 = time.perf_counter()
         events, self._events = self._events, []
         self.telemetry.record(
@@ -196,7 +267,6 @@ class LLMEngine:
                 kv_host_blocks_total=self.host_pool.num_blocks,
             )
         )
-        return outputs
 
     def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         sampling = [c.request for c in sched.chunks if c.sample]
@@ -286,3 +356,14 @@ def _move_dict(m) -> dict:
     return {"kind": f"swap_{m.direction}", "request_id": m.request_id, "blocks": len(m.device_blocks),
             "host_layers": m.num_host_layers, "bytes_moved": m.bytes_moved, "bytes_parked": m.bytes_parked,
             "seconds": m.seconds}
+
+
+class _Suspended:
+    """A forward stopped between layers, waiting for the urgent step to pass."""
+
+    def __init__(self, sched: SchedulerOutput, checkpoint: LayerCheckpoint, requests: list[Request], forward_s: float):
+        self.sched = sched
+        self.checkpoint = checkpoint
+        self.requests = requests
+        self.forward_s = forward_s
+        self.served = False  # the urgent step has run

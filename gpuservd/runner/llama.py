@@ -63,10 +63,27 @@ class LlamaModel:
         return self.weights.lm_head(x).float()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_layers) -> torch.Tensor:
-        """Run every layer; kv_layers(i) gives layer i's (k_cache, v_cache). Returns logits [S, V]."""
-        h = self.embed(batch)
+    def forward(self, batch: ForwardBatch, kv_layers, suspend=None, resume: "LayerCheckpoint | None" = None):
+        """Run the layers; kv_layers(i) gives layer i's (k_cache, v_cache). Returns logits [S, V], or a
+        LayerCheckpoint when suspend(i) says to stop after layer i (layer-granularity preemption);
+        forward(..., resume=checkpoint) goes on from there. Layers [0, i] have written their KV."""
+        if resume is None:
+            h, start = self.embed(batch), 0
+        else:
+            h, start = resume.hidden, resume.next_layer
         rope = self.rope.lookup(batch.positions)
-        for i in range(self.arch.num_layers):
+        last = self.arch.num_layers - 1
+        for i in range(start, self.arch.num_layers):
             h = self.layer_forward(i, h, kv_layers(i), batch, rope)
+            if suspend is not None and i < last and suspend(i):
+                return LayerCheckpoint(batch, h, i + 1)
         return self.logits(h, batch)
+
+
+class LayerCheckpoint:
+    """A forward stopped between layers: the batch and the hidden states entering `next_layer`."""
+
+    def __init__(self, batch: ForwardBatch, hidden: torch.Tensor, next_layer: int):
+        self.batch = batch
+        self.hidden = hidden
+        self.next_layer = next_layer

@@ -74,7 +74,12 @@ class ModelRunner:
             max_model_len=self.max_model_len,
         )
 
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """One forward over the chunks; logits [S, V] (fp32) for the chunks with sample=True, in order."""
+    def execute(self, chunks: list[SeqChunk], suspend=None):
+        """One forward over the chunks; logits [S, V] (fp32) for the chunks with sample=True, in order,
+        or a LayerCheckpoint if suspend(layer) asked to stop between layers (see resume())."""
         batch = build_batch(chunks, self.block_size, self.device)
-        return self.model.forward(batch, self.cache.layer)
+        return self.model.forward(batch, self.cache.layer, suspend=suspend)
+
+    def resume(self, checkpoint) -> torch.Tensor:
+        """Finish a suspended forward; logits as execute() would have returned them."""
+        return self.model.forward(checkpoint.batch, self.cache.layer, resume=checkpoint)
