@@ -4,12 +4,17 @@ Cache layout per layer: [num_blocks, block_size, kv_heads, head_dim], so a
 token's slot is one flat index (block * block_size + offset) and this step's
 K/V go in with a single index_copy_.
 
-Decode tokens (one per sequence) attend in groups of similar context length
-(see batch.py): each group is one fused `scaled_dot_product_attention` over
-its gathered blocks, the query heads of each KV head standing in as the query
-rows (they all see the whole context), with a mask only where lengths
-differ. Prefill chunks attend one at a time through SDPA against their
-gathered context.
+Decode tokens (one per sequence) attend, on the CPU, through the C++ kernel
+of paged_kernel.py, which reads the blocks in place: in a same-process A/B it
+was faster than the gather + SDPA path below at every batch size and context
+length measured (bench/results/2026-11-29-cpu-paged-attention), mostly because
+the gather copy, half of the torch path's time at long context, is gone.
+Where the kernel is not available (not built, another device), decode tokens
+attend in groups of similar context length (see batch.py): each group is one
+fused `scaled_dot_product_attention` over its gathered blocks, the query heads
+of each KV head standing in as the query rows (they all see the whole
+context), with a mask only where lengths differ. Prefill chunks attend one at
+a time through SDPA against their gathered context.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpuservd.runner import paged_kernel
 from gpuservd.runner.batch import DecodeGroup, ForwardBatch, PrefillMeta
 
 
@@ -53,6 +59,17 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """Attention of the decode queries q [B, heads, head_dim] over their cached contexts."""
+    if q.device.type == "cpu":
+        kernel = paged_kernel.get()
+        if kernel is not None:
+            return kernel(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, batch, scale)
+
+
+def decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """The gather + SDPA path of decode_attention (other devices, no kernel, and the kernel's reference)."""
     groups = batch.decode_groups
     if len(groups) == 1:
         return _decode_group(q, k_cache, v_cache, groups[0], scale)  # rows are 0..B-1 in order
