@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from gpuservd.runner import paged_kernel
+from gpuservd.runner import cpu_kernels
 from gpuservd.runner.attention import decode_attention, decode_attention_torch
 from gpuservd.runner.batch import SeqChunk, build_batch
 
@@ -17,12 +17,12 @@ HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not Non
 
 @pytest.fixture(scope="module")
 def kernel():
-    op = paged_kernel.get()
-    if op is None:
+    ops = cpu_kernels.get()
+    if ops is None:
         if HAS_COMPILER:
-            pytest.fail(f"a compiler is present but the kernel did not load: {paged_kernel.status()['reason']}")
+            pytest.fail(f"a compiler is present but the kernel did not load: {cpu_kernels.status()['reason']}")
         pytest.skip("no C++ compiler: the kernel cannot be built here")
-    return op
+    return ops.paged_decode
 
 
 def _case(lens, heads, kv_heads, head_dim, block_size, dtype, seed):
@@ -103,24 +103,24 @@ def test_decode_attention_uses_the_kernel_on_cpu(kernel, monkeypatch):
 
 
 def test_failed_build_falls_back_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setattr(paged_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_state", {})
 
     def broken():
         raise RuntimeError("g++: fatal error: no input files\nError building extension")
 
-    monkeypatch.setattr(paged_kernel, "_load", broken)
-    with caplog.at_level(logging.WARNING, logger="gpuservd.runner.paged_kernel"):
-        assert paged_kernel.get() is None
-        assert paged_kernel.get() is None
+    monkeypatch.setattr(cpu_kernels, "_load", broken)
+    with caplog.at_level(logging.WARNING, logger="gpuservd.runner.cpu_kernels"):
+        assert cpu_kernels.get() is None
+        assert cpu_kernels.get() is None
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "Error building extension" in lines[0] and "gathers blocks in torch" in lines[0]
+    assert len(lines) == 1 and "no input files" in lines[0] and "gathers KV blocks" in lines[0]
     q, k_cache, v_cache, batch = _case(**CASES["gqa-smollm2-shape"], dtype=torch.float32, seed=6)
     out = decode_attention(q, k_cache, v_cache, batch, 0.125)  # the torch path
     torch.testing.assert_close(out, decode_attention_torch(q, k_cache, v_cache, batch, 0.125))
 
 
 def test_switch_off_by_environment(monkeypatch):
-    monkeypatch.setattr(paged_kernel, "_state", {})
-    monkeypatch.setenv(paged_kernel.ENV_SWITCH, "0")
-    assert paged_kernel.get() is None
-    assert paged_kernel.status() == {"loaded": False, "reason": f"{paged_kernel.ENV_SWITCH}=0", "build_s": None}
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert cpu_kernels.get() is None
+    assert cpu_kernels.status() == {"loaded": False, "reason": f"{cpu_kernels.ENV_SWITCH}=0", "build_s": None}

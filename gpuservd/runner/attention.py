@@ -5,7 +5,7 @@ token's slot is one flat index (block * block_size + offset) and this step's
 K/V go in with a single index_copy_.
 
 Decode tokens (one per sequence) attend, on the CPU, through the C++ kernel
-of paged_kernel.py, which reads the blocks in place: in a same-process A/B it
+of cpu_kernels.py, which reads the blocks in place: in a same-process A/B it
 was faster than the gather + SDPA path below at every batch size and context
 length measured (bench/results/2026-11-29-cpu-paged-attention), mostly because
 the gather copy, half of the torch path's time at long context, is gone.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpuservd.runner import paged_kernel
+from gpuservd.runner import cpu_kernels
 from gpuservd.runner.batch import DecodeGroup, ForwardBatch, PrefillMeta
 
 
@@ -60,9 +60,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of the decode queries q [B, heads, head_dim] over their cached contexts."""
     if q.device.type == "cpu":
-        kernel = paged_kernel.get()
-        if kernel is not None:
-            return kernel(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
+        ops = cpu_kernels.get()
+        if ops is not None:
+            return ops.paged_decode(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, batch, scale)
 
 
@@ -124,6 +124,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k, v [T, kv_heads, hd] to the cache, then attend for every token; returns [T, heads, hd]."""
     write_kv(k_cache, v_cache, k, v, batch)
+    return attend(q, k, v, k_cache, v_cache, batch, scale)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention once this step's k, v are already in the cache; returns [T, heads, hd]."""
     nd = batch.num_decode
     if not batch.prefills:
         return decode_attention(q, k_cache, v_cache, batch, scale)

@@ -1,8 +1,13 @@
-"""The C++ paged decode-attention kernel (csrc/paged_attention.cpp): build once, load, or fall back.
+"""The runner's C++ CPU kernels (csrc/): build once, load, or fall back to torch.
 
-The kernel reads K/V blocks where they lie in the cache instead of gathering
-them into a contiguous tensor first (see the .cpp for the work split). It is
-compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja;
+- `paged_decode`: decode attention that reads K/V blocks where they lie in the
+  cache instead of gathering them into a contiguous tensor first
+  (paged_attention.cpp has the work split).
+- `rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_store_kv`: the decoder
+  layer's elementwise steps fused one op each (fused_ops.cpp), because at
+  decode batch sizes torch's dispatch and allocations cost more than the math.
+
+They are compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja;
 about 10 s on a 2-core machine) into torch's extension directory
 (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), under a name
 that hashes the source, the flags and the torch version, so a later process
@@ -11,8 +16,8 @@ machinery. AVX2/FMA/F16C code is compiled only where the CPU reports those
 flags; elsewhere the kernel's scalar loops are built.
 
 Anything that goes wrong (no compiler, no ninja, a failed build or load) is
-logged once and `get()` returns None: attention then takes the torch gather
-path. `GPUSERV_PAGED_KERNEL=0` turns the kernel off.
+logged once and `get()` returns None: the runner then takes its torch paths.
+`GPUSERV_CPU_KERNELS=0` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-ENV_SWITCH = "GPUSERV_PAGED_KERNEL"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+HEADERS = [CSRC / "simd.h"]
+ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "op": the loaded op or None, "reason": why not, "build_s": compile seconds
+_state: dict[str, object] = {}  # "ops": torch.ops.gpuserv or None, "reason": why not, "build_s": compile seconds
 
 
 def _cpu_flags() -> set[str]:
@@ -56,10 +63,12 @@ def _cflags() -> list[str]:
 
 
 def _ext_name(cflags: list[str]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.read_bytes())
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
-    return f"gpuserv_paged_attn_{h.hexdigest()[:12]}"
+    return f"gpuserv_cpu_kernels_{h.hexdigest()[:12]}"
 
 
 def _build_root() -> Path:
@@ -78,7 +87,7 @@ def _load() -> object:
     if lib.exists():
         try:
             torch.ops.load_library(str(lib))
-            return torch.ops.gpuserv.paged_decode
+            return torch.ops.gpuserv
         except (OSError, RuntimeError) as e:  # a half-written library: rebuild below
             log.info("rebuilding %s: %s", lib, e)
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -91,35 +100,42 @@ def _load() -> object:
 
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, build_directory=str(build_dir),
+    load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, build_directory=str(build_dir),
          is_python_module=False, verbose=False)
     _state["build_s"] = time.perf_counter() - t0
-    log.info("built the paged attention kernel in %.1f s (%s)", _state["build_s"], build_dir)
-    return torch.ops.gpuserv.paged_decode
+    log.info("built the CPU kernels in %.1f s (%s)", _state["build_s"], build_dir)
+    return torch.ops.gpuserv
+
+
+def _one_line(e: Exception) -> str:
+    """The telling line of a build failure: the compiler's first error, else the message's last line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and "build stopped" not in ln]
+    return f"{type(e).__name__}: {(errors or lines or [''])[0 if errors else -1]}"
 
 
 def get():
-    """The kernel op `paged_decode(q, k_cache, v_cache, block_table, ctx_lens, scale)`, or None (logged once)."""
-    if "op" in _state:
-        return _state["op"]
+    """The kernels' op namespace (`torch.ops.gpuserv`), or None when they cannot be used (logged once)."""
+    if "ops" in _state:
+        return _state["ops"]
     with _lock:
-        if "op" in _state:
-            return _state["op"]
-        op, reason = None, None
+        if "ops" in _state:
+            return _state["ops"]
+        ops, reason = None, None
         if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
             reason = f"{ENV_SWITCH}=0"
         else:
             try:
-                op = _load()
+                ops = _load()
             except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        if op is None:
-            log.warning("paged attention kernel not used (%s); decode attention gathers blocks in torch", reason)
-        _state["op"], _state["reason"] = op, reason
-        return op
+                reason = _one_line(e)
+        if ops is None:
+            log.warning("C++ CPU kernels not used (%s); attention gathers KV blocks and layers run on torch ops", reason)
+        _state["ops"], _state["reason"] = ops, reason
+        return ops
 
 
 def status() -> dict:
-    """Whether the kernel is in use, and if not why; for status output and benchmarks."""
+    """Whether the kernels are in use, and if not why; for status output and benchmarks."""
     get()
-    return {"loaded": _state["op"] is not None, "reason": _state["reason"], "build_s": _state.get("build_s")}
+    return {"loaded": _state["ops"] is not None, "reason": _state["reason"], "build_s": _state.get("build_s")}
