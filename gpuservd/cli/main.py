@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from gpuservd.cli import daemon_cmds, remote, store_cmds
+from gpuservd.cli import daemon_cmds, remote, store_cmds, top_cmd
 from gpuservd.errors import UserError
 
 app = typer.Typer(
@@ -25,6 +25,7 @@ app = typer.Typer(
 )
 app.add_typer(store_cmds.app, name="models")
 daemon_cmds.register(app, store_cmds.app)
+top_cmd.register(app)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
 LocalOpt = typer.Option(False, "--local", help="Run an in-process engine instead of asking the daemon.")

@@ -4,12 +4,17 @@ Cache layout per layer: [num_blocks, block_size, kv_heads, head_dim], so a
 token's slot is one flat index (block * block_size + offset) and this step's
 K/V go in with a single index_copy_.
 
-Decode tokens (one per sequence) attend in groups of similar context length
-(see batch.py): each group is one fused `scaled_dot_product_attention` over
-its gathered blocks, the query heads of each KV head standing in as the query
-rows (they all see the whole context), with a mask only where lengths
-differ. Prefill chunks attend one at a time through SDPA against their
-gathered context.
+Decode tokens (one per sequence) attend, on the CPU, through the C++ kernel
+of cpu_kernels.py, which reads the blocks in place: in a same-process A/B it
+was faster than the gather + SDPA path below at every batch size and context
+length measured (bench/results/2026-11-29-cpu-paged-attention), mostly because
+the gather copy, half of the torch path's time at long context, is gone.
+Where the kernel is not available (not built, another device), decode tokens
+attend in groups of similar context length (see batch.py): each group is one
+fused `scaled_dot_product_attention` over its gathered blocks, the query heads
+of each KV head standing in as the query rows (they all see the whole
+context), with a mask only where lengths differ. Prefill chunks attend one at
+a time through SDPA against their gathered context.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpuservd.runner import cpu_kernels
 from gpuservd.runner.batch import DecodeGroup, ForwardBatch, PrefillMeta
 
 
@@ -53,6 +59,17 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """Attention of the decode queries q [B, heads, head_dim] over their cached contexts."""
+    if q.device.type == "cpu":
+        ops = cpu_kernels.get()
+        if ops is not None:
+            return ops.paged_decode(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, batch, scale)
+
+
+def decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """The gather + SDPA path of decode_attention (other devices, no kernel, and the kernel's reference)."""
     groups = batch.decode_groups
     if len(groups) == 1:
         return _decode_group(q, k_cache, v_cache, groups[0], scale)  # rows are 0..B-1 in order
@@ -107,6 +124,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k, v [T, kv_heads, hd] to the cache, then attend for every token; returns [T, heads, hd]."""
     write_kv(k_cache, v_cache, k, v, batch)
+    return attend(q, k, v, k_cache, v_cache, batch, scale)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention once this step's k, v are already in the cache; returns [T, heads, hd]."""
     nd = batch.num_decode
     if not batch.prefills:
         return decode_attention(q, k_cache, v_cache, batch, scale)

@@ -59,6 +59,8 @@ class ForwardBatch:
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) where each token's K/V goes
     num_decode: int  # the first num_decode tokens are one-token chunks, one per sequence
     decode_groups: list[DecodeGroup]  # the decode sequences, grouped by context length
+    decode_block_table: torch.Tensor  # [num_decode, max blocks] int32, rows padded with block 0 (C++ kernel)
+    decode_ctx_lens: torch.Tensor  # [num_decode] int32 context length of each decode sequence (C++ kernel)
     prefills: list[PrefillMeta]  # one per multi-token chunk
     logits_indices: torch.Tensor  # [S] token rows whose logits are returned, in input chunk order
 
@@ -132,12 +134,17 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
                 mask=mask,
             )
         )
+    max_blocks = max((len(t) for t in dec_tables), default=0)
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
         slots=torch.tensor(slots, dtype=torch.long, device=device),
         num_decode=len(dec_ctx),
         decode_groups=groups,
+        decode_block_table=torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in dec_tables], dtype=torch.int32, device=device
+        ).view(len(dec_tables), max_blocks),
+        decode_ctx_lens=torch.tensor(dec_ctx, dtype=torch.int32, device=device),
         prefills=prefills,
         logits_indices=torch.tensor(
             [last_row[i] for i in range(len(chunks)) if chunks[i].sample], dtype=torch.long, device=device

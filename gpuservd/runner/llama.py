@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpuservd.runner.attention import paged_attention
+from gpuservd.runner import cpu_kernels
+from gpuservd.runner.attention import attend, paged_attention
 from gpuservd.runner.batch import ForwardBatch
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.rope import RopeTables, apply_rope
@@ -37,9 +38,13 @@ class LlamaModel:
         self.rope = RopeTables(arch, max_len, dtype, self.device)
         self.scale = arch.head_dim ** -0.5
         self._q_size = arch.num_heads * arch.head_dim
+        # The fused C++ layer steps (cpu_kernels.py), built or loaded now rather than in the first step.
+        self._ops = cpu_kernels.get() if self.device.type == "cpu" else None
 
     def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):
         """One decoder layer on hidden states h [T, D]; rope = (cos, sin) of the batch. Returns the new h [T, D]."""
+        if self._ops is not None:
+            return self._layer_forward_fused(i, h, kv, batch, rope)
         a = self.arch
         lw: LayerWeights = self.weights.layers[i]
         x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
@@ -53,6 +58,20 @@ class LlamaModel:
         x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
         gate, up = lw.gate_up(x).chunk(2, dim=-1)  # [T, I] each
         return h + lw.down(F.silu(gate) * up)
+
+    def _layer_forward_fused(self, i: int, h: torch.Tensor, kv, batch: ForwardBatch, rope) -> torch.Tensor:
+        """layer_forward with one C++ op per elementwise step; updates h in place (h is the residual stream)."""
+        a, ops = self.arch, self._ops
+        lw: LayerWeights = self.weights.layers[i]
+        t = h.shape[0]
+        x = ops.rms_norm(h, lw.input_norm, a.rms_norm_eps)
+        qkv = lw.qkv(x).view(t, a.num_heads + 2 * a.num_kv_heads, a.head_dim)  # [T, H + 2 KVH, hd]
+        # q and k heads rotated in place, this step's k and v stored in their cache slots.
+        ops.rope_store_kv(qkv, rope[0], rope[1], kv[0], kv[1], batch.slots, a.num_heads, a.num_kv_heads)
+        q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
+        attn = attend(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, H, hd]
+        x = ops.add_rms_norm_(h, lw.o_proj(attn.reshape(t, self._q_size)), lw.post_norm, a.rms_norm_eps)
+        return h.add_(lw.down(ops.silu_mul(lw.gate_up(x))))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.weights.embed.index_select(0, batch.input_ids)  # [T, D]

@@ -1,0 +1,123 @@
+"""Models: what is loaded, with its weight-cache residency; load / unload / pin after a confirmation."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable
+
+from console.screens import ConsoleScreen
+from console.screens.dialogs import ConfirmScreen, PromptScreen
+from console.widgets import NOT_REPORTED, Panel, fmt_bytes
+
+COLUMNS = ["model", "state", "pinned", "device", "KV blocks", "run", "wait", "in flight", "steps", "context"]
+
+
+def load_progress(state, name: str) -> str:
+    """From the model's latest model_load event: its phase, and its layers when the daemon reports them."""
+    events = [e for e in state.log("model_load") if e.get("model") == name]
+    if not events:
+        return "no load seen since the console connected"
+    e = events[-1]
+    text = f"last load: {e.get('phase')}"
+    if e.get("load_s") is not None:
+        text += f" in {e['load_s']:.2f} s"
+    if e.get("num_layers"):
+        text += f", layer {e.get('layers_loaded', 0)}/{e['num_layers']}"
+    elif e.get("phase") == "start":
+        text += f" (layer-by-layer progress {NOT_REPORTED})"
+    if e.get("error"):
+        text += f": {e['error']}"
+    return text
+
+
+def cache_text(state, m: dict | None) -> str:
+    status = state.status or {}
+    if m is None:
+        return "no model selected"
+    lines = [f"{m['name']}: {load_progress(state, m['name'])}"]
+    tiers = m.get("tiers")
+    lines.append("residency: " + (", ".join(f"{k} {fmt_bytes(v) if isinstance(v, (int, float)) else v}"
+                                           for k, v in tiers.items()) if tiers else f"per tier {NOT_REPORTED}"))
+    lines.append("bytes: " + (fmt_bytes(m["weights_bytes"]) if m.get("weights_bytes") is not None else NOT_REPORTED))
+    cache = status.get("weight_cache")
+    lines.append("weight cache: " + (", ".join(f"{k} {v}" for k, v in cache.items()) if cache else NOT_REPORTED))
+    version = m.get("version")
+    lines.append("version / canary: " + (f"{version} weight {m.get('canary_weight', '-')}" if version else NOT_REPORTED))
+    return "\n".join(lines)
+
+
+class ModelsScreen(ConsoleScreen):
+    NAME = "models"
+    BINDINGS = [Binding("l", "load", "Load"), Binding("u", "unload", "Unload"), Binding("p", "pin", "Pin/unpin")]
+
+    def body(self) -> ComposeResult:
+        yield DataTable(id="models", cursor_type="row")
+        yield Panel("Weight cache", id="cache")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        for c in COLUMNS:
+            table.add_column(c, key=c)
+        table.focus()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.query_one("#cache", Panel).show(cache_text(self.app.state, self.selected()))
+
+    def models(self) -> list[dict]:
+        return list((self.app.state.status or {}).get("models", []))
+
+    def draw(self, state) -> None:
+        table = self.query_one(DataTable)
+        current = self.selected()
+        table.clear()
+        for m in self.models():
+            total = m.get("kv_blocks_total") or 0
+            cells = [m["name"], m.get("state", "?"), "yes" if m.get("pinned") else "no", m.get("device", "?"),
+                     f"{total - m.get('kv_blocks_free', 0)}/{total}", m.get("num_running", "-"), m.get("num_waiting", "-"),
+                     m.get("num_in_flight", "-"), m.get("num_steps", "-"), m.get("max_model_len", "-")]
+            table.add_row(*(Text(str(c)) for c in cells), key=m["name"])
+        if current is not None and current["name"] in table.rows:
+            table.move_cursor(row=table.get_row_index(current["name"]))
+        self.query_one("#cache", Panel).show(cache_text(state, self.selected()))
+
+    def selected(self) -> dict | None:
+        table = self.query_one(DataTable)
+        models = self.models()
+        if not table.row_count or table.cursor_row is None:
+            return None
+        name = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value
+        return next((m for m in models if m["name"] == name), None)
+
+    def action_load(self) -> None:
+        def done(name: str | None) -> None:
+            if name:
+                self.app.act(f"loaded {name}", self.app.feed.load, name)
+
+        self.app.push_screen(PromptScreen("Load which model from the store?", "model name"), done)
+
+    def _confirm(self, question: str, ok: str, fn, *args) -> None:
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.app.act(ok, fn, *args)
+
+        self.app.push_screen(ConfirmScreen(question), done)
+
+    def action_unload(self) -> None:
+        m = self.selected()
+        if m is None:
+            self.notify("no model selected")
+            return
+        self._confirm(f"Unload {m['name']}? Its {m.get('num_in_flight', 0)} requests in flight finish first "
+                      f"(up to the drain timeout), the rest are aborted.", f"unloaded {m['name']}",
+                      self.app.feed.unload, m["name"])
+
+    def action_pin(self) -> None:
+        m = self.selected()
+        if m is None:
+            self.notify("no model selected")
+            return
+        pin = not m.get("pinned")
+        self._confirm(f"{'Pin' if pin else 'Unpin'} {m['name']}?" + (" Pinned models are never unloaded." if pin else ""),
+                      f"{'pinned' if pin else 'unpinned'} {m['name']}", self.app.feed.pin, m["name"], pin)

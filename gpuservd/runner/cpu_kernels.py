@@ -1,0 +1,141 @@
+"""The runner's C++ CPU kernels (csrc/): build once, load, or fall back to torch.
+
+- `paged_decode`: decode attention that reads K/V blocks where they lie in the
+  cache instead of gathering them into a contiguous tensor first
+  (paged_attention.cpp has the work split).
+- `rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_store_kv`: the decoder
+  layer's elementwise steps fused one op each (fused_ops.cpp), because at
+  decode batch sizes torch's dispatch and allocations cost more than the math.
+
+They are compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja;
+about 10 s on a 2-core machine) into torch's extension directory
+(`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), under a name
+that hashes the source, the flags and the torch version, so a later process
+finds the built library and loads it directly without importing the build
+machinery. AVX2/FMA/F16C code is compiled only where the CPU reports those
+flags; elsewhere the kernel's scalar loops are built.
+
+Anything that goes wrong (no compiler, no ninja, a failed build or load) is
+logged once and `get()` returns None: the runner then takes its torch paths.
+`GPUSERV_CPU_KERNELS=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+HEADERS = [CSRC / "simd.h"]
+ENV_SWITCH = "GPUSERV_CPU_KERNELS"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": torch.ops.gpuserv or None, "reason": why not, "build_s": compile seconds
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-std=c++20"]
+    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _ext_name(cflags: list[str]) -> str:
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.read_bytes())
+    h.update(" ".join(cflags).encode())
+    h.update(torch.__version__.encode())
+    return f"gpuserv_cpu_kernels_{h.hexdigest()[:12]}"
+
+
+def _build_root() -> Path:
+    from_env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if from_env:
+        return Path(from_env)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return base / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+
+
+def _load() -> object:
+    cflags = _cflags()
+    name = _ext_name(cflags)
+    build_dir = _build_root() / name
+    lib = build_dir / f"{name}.so"
+    if lib.exists():
+        try:
+            torch.ops.load_library(str(lib))
+            return torch.ops.gpuserv
+        except (OSError, RuntimeError) as e:  # a half-written library: rebuild below
+            log.info("rebuilding %s: %s", lib, e)
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        raise RuntimeError("no C++ compiler on PATH")
+    # The `ninja` wheel puts its binary next to this interpreter, which need not be on PATH.
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, build_directory=str(build_dir),
+         is_python_module=False, verbose=False)
+    _state["build_s"] = time.perf_counter() - t0
+    log.info("built the CPU kernels in %.1f s (%s)", _state["build_s"], build_dir)
+    return torch.ops.gpuserv
+
+
+def _one_line(e: Exception) -> str:
+    """The telling line of a build failure: the compiler's first error, else the message's last line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and "build stopped" not in ln]
+    return f"{type(e).__name__}: {(errors or lines or [''])[0 if errors else -1]}"
+
+
+def get():
+    """The kernels' op namespace (`torch.ops.gpuserv`), or None when they cannot be used (logged once)."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]
+        ops, reason = None, None
+        if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+            reason = f"{ENV_SWITCH}=0"
+        else:
+            try:
+                ops = _load()
+            except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
+                reason = _one_line(e)
+        if ops is None:
+            log.warning("C++ CPU kernels not used (%s); attention gathers KV blocks and layers run on torch ops", reason)
+        _state["ops"], _state["reason"] = ops, reason
+        return ops
+
+
+def status() -> dict:
+    """Whether the kernels are in use, and if not why; for status output and benchmarks."""
+    get()
+    return {"loaded": _state["ops"] is not None, "reason": _state["reason"], "build_s": _state.get("build_s")}

@@ -1,0 +1,111 @@
+"""The fused C++ layer ops agree with the torch code they replace, in every dtype; so does a whole model."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from factories import make_hf_model
+from gpuservd.kv_cache.cache import KVCache, cache_shape
+from gpuservd.runner import cpu_kernels
+from gpuservd.runner.attention import write_kv
+from gpuservd.runner.batch import SeqChunk, build_batch
+from gpuservd.runner.llama import LlamaModel, rms_norm
+from gpuservd.runner.model_config import load_arch
+from gpuservd.runner.rope import apply_rope
+from gpuservd.runner.weights import load_weights
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# fp32: summation order and fused multiply-adds only. bf16/fp16: one rounding step apart at most.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=1e-2),
+       torch.float16: dict(atol=4e-3, rtol=2e-3)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_kernels.get()
+    if ops is None:
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(f"a compiler is present but the kernels did not load: {cpu_kernels.status()['reason']}")
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    return ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_rms_norm_and_residual_add(ops, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 96, generator=g) * 3).to(dtype)
+    d = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(h, w, 1e-5), rms_norm(h, w, 1e-5), **TOL[dtype])
+    want_h = h + d
+    want = rms_norm(want_h, w, 1e-6)
+    got = ops.add_rms_norm_(h, d, w, 1e-6)
+    assert torch.equal(h, want_h)  # the residual stream is updated in place, rounded as torch rounds
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_silu_mul(ops, dtype, rows):
+    gu = (torch.randn(rows, 2 * 100, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp overflow and underflow
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv(ops, dtype):
+    heads, kv_heads, dim, block_size, tokens = 6, 2, 16, 4, 7
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [T, 1, dim] as RopeTables.lookup
+    chunks = [SeqChunk([1, 2, 3], 2, [5, 1], True), SeqChunk([4], 9, [0, 3, 2], True), SeqChunk([5, 6, 7], 0, [4], True)]
+    batch = build_batch(chunks, block_size, torch.device("cpu"))
+    k_want = torch.zeros(6, block_size, kv_heads, dim, dtype=dtype)
+    v_want = torch.zeros_like(k_want)
+    rotated = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+    write_kv(k_want, v_want, rotated[:, heads:], qkv[:, heads + kv_heads :], batch)
+    k_got, v_got = torch.zeros_like(k_want), torch.zeros_like(v_want)
+    got = qkv.clone()
+    ops.rope_store_kv(got, cos, sin, k_got, v_got, batch.slots, heads, kv_heads)
+    torch.testing.assert_close(got[:, : heads + kv_heads], rotated, **TOL[dtype])
+    assert torch.equal(got[:, heads + kv_heads :], qkv[:, heads + kv_heads :])  # v untouched
+    torch.testing.assert_close(k_got, k_want, **TOL[dtype])
+    assert torch.equal(v_got, v_want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        bad = batch.slots.clone()
+        bad[0] = 6 * block_size
+        ops.rope_store_kv(qkv.clone(), cos, sin, k_got, v_got, bad, heads, kv_heads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_with_and_without_kernels_agree(ops, tmp_path, dtype):
+    """The same chunked prefill + mixed decode batch through the fused layers and through plain torch."""
+    make_hf_model(tmp_path, "qwen2")  # qkv bias, GQA
+    arch = load_arch(tmp_path)
+    dt = getattr(torch, dtype)
+    weights = load_weights(tmp_path, arch, dt, torch.device("cpu"))
+    logits = []
+    for use_ops in (True, False):
+        model = LlamaModel(arch, weights, 512, dt, "cpu")
+        if not use_ops:
+            model._ops = None
+        cache = KVCache(cache_shape(arch, 4, dt), 64, torch.device("cpu"))
+        g = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 4)]
+        tables = [cache.pool.allocate(-(-(len(p) + 2) // 4)) for p in prompts]
+        out = [model.forward(build_batch([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables)], 4,
+                                         torch.device("cpu")), cache.layer)]
+        for step in range(2):
+            chunks = [SeqChunk([7 + step], len(p) + step, t, True) for p, t in zip(prompts, tables)]
+            out.append(model.forward(build_batch(chunks, 4, torch.device("cpu")), cache.layer))
+        logits.append(torch.cat(out))
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == "float32" else dict(atol=0.08, rtol=0)
+    torch.testing.assert_close(logits[0], logits[1], **tol)
