@@ -174,3 +174,11 @@ def test_shipped_workload_shapes():
     burst = load_workload(WORKLOADS / "burst-32x64.yaml").materialize(49152, eos_token_id=2)
     assert len(burst) == 32 and {(len(r.prompt_token_ids), r.output_tokens, r.arrival_s) for r in burst} == {(32, 64, 0.0)}
     assert len(load_workload(WORKLOADS / "smoke.yaml").materialize(49152)) == 8
+
+
+@pytest.mark.parametrize("path", sorted((WORKLOADS.parent / "preemption").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_preemption_configs_load(path):
+    from gpuservd.config import load_config
+
+    cfg = load_config(path)
+    assert cfg.preemption.mode in ("on", "off")

@@ -115,6 +115,35 @@ def test_bench_smoke_writes_result_files(store_home, tmp_path, capsys):
     assert set(result["classes"]) == {"short", "long"}
     assert result["floor"]["gpuserv_batch1_step_ms"] > 0
     assert (out / "result.md").exists() and (out / "latency_cdf.png").stat().st_size > 1000
+    assert g["extra"]["scheduler_share"] > 0 and "preemptions_by_kind" in g["extra"]
+
+
+def test_bench_compare_and_alone_without(store_home, tmp_path, capsys):
+    """Several engine configs and the drag of one class, in one run and one report."""
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("name: tiny-drag\nmodel: tiny\nseed: 1\nrequests: 4\narrival: {process: burst}\nclasses:\n"
+                  "  - {name: short, share: 0.75, prompt_tokens: {dist: fixed, value: 8}, "
+                  "output_tokens: {dist: fixed, value: 4}}\n"
+                  "  - {name: long, share: 0.25, prompt_tokens: {dist: fixed, value: 8}, "
+                  "output_tokens: {dist: fixed, value: 40}}\n")
+    base = tmp_path / "off.yaml"
+    base.write_text("engine: {kv_cache_bytes: 4MiB, block_size: 4}\npreemption: {mode: 'off'}\n")
+    swap = tmp_path / "swap.yaml"  # 1 sequence at a time: a short arrival displaces the long one
+    swap.write_text("engine: {kv_cache_bytes: 4MiB, block_size: 4}\nscheduler: {max_num_seqs: 1}\n"
+                    "preemption: {mode: 'on', kind: swap, min_exec_s: 0}\n")
+    out = tmp_path / "out"
+    assert invoke("bench", "-w", str(wl), "--config", str(base), "--compare", str(swap), "--alone-without", "long",
+                  "--peers", "none", "--out", str(out)) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert set(result["systems"]) == {"gpuserv", "gpuserv[alone]", "gpuserv[swap]"}
+    assert result["systems"]["gpuserv[alone]"]["num_requests"] == 3
+    assert set(result["drag"]) == {"gpuserv", "gpuserv[swap]"} and result["drag"]["gpuserv"]["short"] > 0
+    assert result["variants"]["gpuserv[swap]"]["throughput"] > 0
+    assert result["systems"]["gpuserv[swap]"]["extra"]["config"]["scheduler"]["max_num_seqs"] == 1
+    md = (out / "result.md").read_text()
+    assert "Drag" in md and "gpuserv[swap]" in md
+    assert invoke("bench", "-w", str(wl), "--alone-without", "huge", "--peers", "none") == 2
+    assert "no class 'huge'" in capsys.readouterr().err
 
 
 def test_models_ls_json(store_home, capsys):

@@ -36,6 +36,12 @@ def run_gpuserv(engine, requests: Sequence) -> SystemRun:
     timings: list[RequestTiming] = []
     t0 = time.perf_counter()
     i = 0
+
+    def urgent(priority: int) -> bool:
+        """Layer granularity: has a request above `priority` arrived since the step began?"""
+        return i < len(pending) and pending[i].arrival_s <= time.perf_counter() - t0 and pending[i].priority > priority
+
+    engine.interrupt = urgent
     while i < len(pending) or engine.has_unfinished():
         now = time.perf_counter() - t0
         while i < len(pending) and pending[i].arrival_s <= now:
@@ -58,16 +64,48 @@ def run_gpuserv(engine, requests: Sequence) -> SystemRun:
                                   len(r.prompt_token_ids), o.num_output_tokens)
                 )
     wall = time.perf_counter() - t0
+    engine.interrupt = None
     steps = engine.telemetry.recent()[-(engine.telemetry.num_steps - first_step):]
     extra = {
         "num_steps": len(steps),
         "step_ms_p50": 1000 * statistics.median(s.wall_s for s in steps) if steps else None,
-        "scheduler_share": sum(s.decision_s for s in steps) / max(1e-9, sum(s.wall_s for s in steps)),
-        "num_preempted": sum(s.num_preempted for s in steps),
         "max_decode_batch": max((s.num_decode_tokens for s in steps), default=0),
+        "busy_share": sum(s.wall_s for s in steps) / wall if wall > 0 else None,  # time spent in steps
         "outputs_exact": all(t.output_tokens == by_id[t.request_id].output_tokens for t in timings),
+        **preemption_costs(steps),
     }
     return SystemRun("gpuserv", wall, sorted(timings, key=lambda t: t.request_id), extra)
+
+
+def preemption_costs(steps) -> dict:
+    """What scheduling and preemption cost over a run (S6), from the step records."""
+    wall = max(1e-9, sum(s.wall_s for s in steps))
+    per_request: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for s in steps:
+        for rid in s.preempted_ids:
+            per_request[rid] = per_request.get(rid, 0) + 1
+        for p in s.preemptions:
+            kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+            reasons[p["reason"]] = reasons.get(p["reason"], 0) + 1
+    swaps = [m for s in steps for m in s.swaps]
+    events = [e["kind"] for s in steps for e in s.events]
+    return {
+        "scheduler_s": sum(s.decision_s for s in steps),
+        "scheduler_share": sum(s.decision_s for s in steps) / wall,  # of step time
+        "num_preempted": sum(s.num_preempted for s in steps),
+        "max_preemptions_per_request": max(per_request.values(), default=0),
+        "preemptions_by_kind": kinds,
+        "preemptions_by_reason": reasons,
+        "swap_bytes": sum(m["bytes_moved"] for m in swaps),
+        "park_bytes": sum(m["bytes_parked"] for m in swaps),
+        "swap_s": sum(s.swap_s for s in steps),
+        "swap_share": sum(s.swap_s for s in steps) / wall,
+        "tokens_recomputed": sum(p["tokens_to_recompute"] for s in steps for p in s.preemptions),
+        "layer_suspends": events.count("layer_suspend"),
+        "mode_switches": events.count("preemption_mode"),
+    }
 
 
 def batch1_decode_step_s(engine, prompt_tokens: int = 32, new_tokens: int = 64) -> float:

@@ -89,6 +89,42 @@ def ratios(systems: dict, classes: list[str]) -> dict:
     return out
 
 
+def _ours(name: str) -> bool:
+    return name == OURS or name.startswith(OURS + "[")
+
+
+def variants(systems: dict, classes: list[str]) -> dict:
+    """Each gpuserv variant (a --compare config) against the first config ("gpuserv"): throughput
+    and per-class latency p50 / p99 ratios (variant / base)."""
+    base = systems.get(OURS)
+    out = {}
+    for name, s in systems.items():
+        if name == OURS or not _ours(name) or base is None or name == f"{OURS}[alone]":
+            continue
+        entry = {"throughput": _ratio(s["throughput_tok_s"], base["throughput_tok_s"])}
+        for p in ("p50", "p99"):
+            entry[f"latency_{p}"] = {c: _ratio((s["latency_s"].get(c) or {}).get(p),
+                                               (base["latency_s"].get(c) or {}).get(p)) for c in ["all", *classes]}
+        out[name] = entry
+    return out
+
+
+def drag(runs: list[SystemRun]) -> dict:
+    """With a gpuserv[alone] run (the workload without one class): for every other gpuserv run, each
+    class's mean latency divided by its mean latency alone (1.0 = the extra class cost nothing)."""
+    alone = next((r for r in runs if r.system == f"{OURS}[alone]"), None)
+    if alone is None:
+        return {}
+    classes = sorted({r.cls for r in alone.requests})
+
+    def mean(run, c):
+        vals = [r.finish_s - r.arrival_s for r in run.requests if r.cls == c]
+        return sum(vals) / len(vals) if vals else None
+
+    return {run.system: {c: _ratio(mean(run, c), mean(alone, c)) for c in classes}
+            for run in runs if _ours(run.system) and run is not alone}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -137,6 +173,8 @@ def write_report(out_dir, workload, runs: list[SystemRun], floor: dict | None, c
         "systems": systems,
         "classes": classes,
         "ratios": ratios(systems, classes),
+        "variants": variants(systems, classes),
+        "drag": drag(runs),
         "floor": floor,
         "meta": meta(workload, runs, config or {}),
     }
@@ -172,6 +210,7 @@ def markdown(result: dict) -> str:
                   for g in groups]
         cells.append(_f(r["ttft_p50"].get("all"), "{:.2f}x"))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _preemption_lines(result, groups)
     fl = result.get("floor")
     if fl:
         lines += ["", f"Batch-1 decode floor: {_f(fl.get('floor_step_ms'), '{:.1f}')} ms "
@@ -183,6 +222,36 @@ def markdown(result: dict) -> str:
     lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}, "
                   f"{m['threads']} threads, torch {m['torch']}, transformers {m['transformers']}.", ""]
     return "\n".join(lines)
+
+
+def _preemption_lines(result: dict, groups: list[str]) -> list[str]:
+    """Per gpuserv run: what preemption did and cost; variants against the base; the drag."""
+    ours = {n: s for n, s in result["systems"].items() if _ours(n)}
+    if not any("num_preempted" in s["extra"] for s in ours.values()):
+        return []
+    head = ["run", "preemptions", "max per request", "kinds", "swap MB", "tokens recomputed",
+            "scheduler % of step", "swap % of step"]
+    lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, s in ours.items():
+        e = s["extra"]
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted((e.get("preemptions_by_kind") or {}).items())) or "-"
+        lines.append("| " + " | ".join([
+            name, str(e.get("num_preempted", "-")), str(e.get("max_preemptions_per_request", "-")), kinds,
+            _f(e.get("swap_bytes", 0) / 1e6, "{:.1f}"), str(e.get("tokens_recomputed", "-")),
+            _f(100 * e.get("scheduler_share", 0), "{:.2f}"), _f(100 * e.get("swap_share", 0), "{:.2f}")]) + " |")
+    if result.get("variants"):
+        head = ["variant / gpuserv", "tok/s"] + [f"latency {g} p50 / p99" for g in groups]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name, v in result["variants"].items():
+            cells = [name, _f(v["throughput"], "{:.2f}x")]
+            cells += [f"{_f(v['latency_p50'].get(g), '{:.2f}x')} / {_f(v['latency_p99'].get(g), '{:.2f}x')}"
+                      for g in groups]
+            lines.append("| " + " | ".join(cells) + " |")
+    if result.get("drag"):
+        lines += ["", "Drag (mean latency / mean latency without the extra class):"]
+        for name, d in result["drag"].items():
+            lines.append(f"- {name}: " + ", ".join(f"{c} {_f(x, '{:.2f}x')}" for c, x in d.items()))
+    return lines
 
 
 def plot_latency_cdf(path, runs: list[SystemRun], classes: list[str]) -> None:

@@ -25,19 +25,35 @@ def parse_peers(value: str) -> list[str]:
     return names
 
 
+def variant_label(path: Path) -> str:
+    """A --compare config's name in the report: its file stem."""
+    return Path(path).stem
+
+
 def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], out_dir: Path | None,
-              model: str | None = None, log=print) -> dict:
-    """Run the workload on gpuserv, measure the decode floor, run the peers, write the report."""
+              model: str | None = None, log=print, compare: list[Path] | None = None,
+              alone_without: str | None = None) -> dict:
+    """Run the workload on gpuserv (once per config: --config, then each --compare), measure the decode
+    floor, run the peers, write the report. alone_without=CLASS also runs the workload without that
+    class on the first config, to measure the drag CLASS puts on the others."""
     from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
     from gpuservd.bench.floor import ForeignLoad, floor_summary, measure_read_bandwidth, weight_bytes_per_decode_step
-    from gpuservd.bench.report import write_report
+    from gpuservd.bench.report import OURS, write_report
     from gpuservd.bench.workload import load_workload
     from gpuservd.config import load_config
     from gpuservd.engine.engine import LLMEngine
     from gpuservd.store.store import ModelStore
 
     workload = load_workload(workload_path)
-    cfg = load_config(config_path)
+    compare = list(compare or [])
+    labels = [variant_label(p) for p in compare]
+    if len(set(labels)) != len(labels) or OURS in labels:
+        raise UserError("--compare: config file names must differ (the file stem names each run)")
+    configs = [(OURS, load_config(config_path))] + [(f"{OURS}[{lb}]", load_config(p)) for lb, p in zip(labels, compare)]
+    if alone_without is not None and alone_without not in workload.class_names():
+        raise UserError(f"--alone-without: the workload has no class {alone_without!r}; "
+                        f"classes: {', '.join(workload.class_names())}")
+    cfg = configs[0][1]
     cfg.model = model or workload.model
     store = ModelStore()
     model_dir = store.path(cfg.model)
@@ -50,30 +66,44 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
     # engine, the same probe read 58 GB/s against 29-32 GB/s in a fresh one on this machine
     # (where the 1 GiB lands in memory changes it); the fresh figure is the conservative floor.
     bandwidth = measure_read_bandwidth(threads)
-    log(f"loading {cfg.model} ({cfg.dtype}) from {model_dir}")
-    t_load = time.perf_counter()
-    engine = LLMEngine(cfg.model, model_dir, cfg)
-    load_s = time.perf_counter() - t_load
-    tok = engine.tokenizer
-    requests = workload.materialize(len(tok), sorted(engine.eos_token_ids), tokenize=lambda s: tok.encode(s))
-    for r in requests:
-        if len(r.prompt_token_ids) + r.output_tokens > engine.max_model_len:
-            raise UserError(f"{workload_path}: request {r.request_id} needs more than the context {engine.max_model_len}")
-    log(f"gpuserv: {len(requests)} requests, {threads} threads (engine loaded in {load_s:.2f} s)")
-    with ForeignLoad() as load:
-        run = run_gpuserv(engine, requests)
-    run.extra["foreign_cpu_share"] = load.share
-    run.extra["engine_load_s"] = load_s
-    runs = [run]
-    log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s")
-
-    step_s = batch1_decode_step_s(engine)
-    arch_cfg = json.loads((model_dir / "config.json").read_text())
-    dtype_bytes = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
-    floor = floor_summary(weight_bytes_per_decode_step(arch_cfg, dtype_bytes), bandwidth, step_s)
-    log(f"  batch-1 decode step {1000 * step_s:.1f} ms; floor {floor['floor_step_ms']:.1f} ms")
-    del engine
-    gc.collect()
+    runs = []
+    floor = None
+    requests = None
+    for name, c in configs:
+        c.model = cfg.model
+        log(f"{name}: loading {c.model} ({c.dtype}) from {model_dir}")
+        t_load = time.perf_counter()
+        engine = LLMEngine(c.model, model_dir, c)
+        load_s = time.perf_counter() - t_load
+        if requests is None:
+            tok = engine.tokenizer
+            requests = workload.materialize(len(tok), sorted(engine.eos_token_ids), tokenize=lambda s: tok.encode(s))
+            for r in requests:
+                if len(r.prompt_token_ids) + r.output_tokens > engine.max_model_len:
+                    raise UserError(f"{workload_path}: request {r.request_id} needs more than the context "
+                                    f"{engine.max_model_len}")
+        batches = [(name, requests)]
+        if alone_without is not None and name == OURS:
+            batches.append((f"{OURS}[alone]", [r for r in requests if r.cls != alone_without]))
+        for run_name, reqs in batches:
+            log(f"{run_name}: {len(reqs)} requests, {threads} threads (engine loaded in {load_s:.2f} s)")
+            with ForeignLoad() as load:
+                run = run_gpuserv(engine, reqs)
+            run.system = run_name
+            run.extra["foreign_cpu_share"] = load.share
+            run.extra["engine_load_s"] = load_s
+            run.extra["config"] = dataclasses.asdict(c)
+            runs.append(run)
+            log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s, "
+                f"{run.extra['num_preempted']} preemptions")
+        if floor is None:
+            step_s = batch1_decode_step_s(engine)
+            arch_cfg = json.loads((model_dir / "config.json").read_text())
+            dtype_bytes = torch.tensor([], dtype=getattr(torch, c.dtype)).element_size()
+            floor = floor_summary(weight_bytes_per_decode_step(arch_cfg, dtype_bytes), bandwidth, step_s)
+            log(f"  batch-1 decode step {1000 * step_s:.1f} ms; floor {floor['floor_step_ms']:.1f} ms")
+        del engine
+        gc.collect()
 
     for peer in peers:
         from gpuservd.bench import peers as peer_mod
@@ -87,6 +117,9 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
 
     config = dataclasses.asdict(cfg)
     config["num_threads"] = threads
+    config["base_config"] = str(config_path) if config_path else None
+    config["compare"] = {f"{OURS}[{lb}]": str(p) for lb, p in zip(labels, compare)}
+    config["alone_without"] = alone_without
     result = write_report(out_dir, workload, runs, floor, config)
     log(f"wrote {out_dir}/result.json, result.md, latency_cdf.png")
     return result

@@ -149,13 +149,19 @@ def bench(
     target: str = typer.Option("inprocess", "--target", help="inprocess, or socket: the workload through the "
                                "running daemon's HTTP socket (its own config; no peers)."),
     socket: Optional[Path] = daemon_cmds.SocketOpt,
+    compare: Optional[list[Path]] = typer.Option(None, "--compare", help="Another engine config to run the same "
+                                                 "workload with (repeatable); reported as gpuserv[<file stem>] "
+                                                 "with ratios against --config."),
+    alone_without: Optional[str] = typer.Option(None, "--alone-without", help="Also run the workload without this "
+                                                "request class, and report the drag it puts on the others."),
 ) -> None:
     """Replay a workload on gpuserv and on transformers; write result.json, result.md and a latency CDF."""
     if target not in ("inprocess", "socket"):
         raise UserError(f"--target must be inprocess or socket, got {target!r}")
     if target == "socket":
-        if config is not None:
-            raise UserError("--config applies to --target inprocess; the daemon reads its own config")
+        if config is not None or compare or alone_without:
+            raise UserError("--config, --compare and --alone-without apply to --target inprocess; "
+                            "the daemon reads its own config")
         from gpuservd.bench.report import markdown
 
         typer.echo(markdown(remote.bench_socket(workload, socket, out, model,
@@ -163,7 +169,8 @@ def bench(
         return
     from gpuservd.bench.run import parse_peers, run_bench
 
-    result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True))
+    result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True),
+                       compare=compare, alone_without=alone_without)
     from gpuservd.bench.report import markdown
 
     typer.echo(markdown(result))
