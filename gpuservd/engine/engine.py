@@ -167,7 +167,7 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule, move KV, forward, sample. With granularity `layer`, a forward that
-        carries prefill may stop between layers when `interrupt(batch priority)` says a more urgent
+        carries prefill may stop between layers when `interrupt(priority)` says a more urgent
         request is waiting; the next step serves the waiting request(s) without the suspended batch,
         and the one after finishes the suspended forward from the layer where it stopped."""
         carried, self._carried = self._carried, []
@@ -219,8 +219,9 @@ class LLMEngine:
         if (self.interrupt is None or self._suspended is not None or not sched.num_prefill_tokens
                 or self.scheduler.granularity is not Granularity.LAYER or not self.scheduler.preemption_on):
             return None
-        top = max(c.request.priority for c in sched.chunks)
-        return lambda layer: self.interrupt(top)
+        # Urgent = above the lowest priority among the heavy (prefill) chunks this forward carries.
+        floor = min(c.request.priority for c in sched.chunks if c.num_tokens > 1)
+        return lambda layer: self.interrupt(floor)
 
     def _finish_suspended(self) -> list[RequestOutput]:
         """Run the rest of a suspended forward and hand out its tokens (a step of its own)."""
