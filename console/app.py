@@ -12,7 +12,7 @@ from textual.binding import Binding
 
 from gpuservd.errors import UserError
 
-from console.feed import LiveFeed, ReadOnly, ReplayFeed
+from console.feed import LINK_ERRORS, LiveFeed, ReadOnly, ReplayFeed
 from console.screens import ConsoleScreen
 from console.screens.dashboard import DashboardScreen
 from console.screens.dialogs import HelpScreen
@@ -88,6 +88,10 @@ class ConsoleApp(App):
                 await fn(*args)
             except (UserError, ReadOnly) as exc:
                 self.notify(str(exc), severity="error", timeout=8)
+                return
+            except LINK_ERRORS as exc:  # the daemon went away mid-action: say so, keep the console
+                self.notify(f"lost the daemon during the action ({type(exc).__name__}: {exc})", severity="error",
+                            timeout=8)
                 return
             self.notify(ok)
 

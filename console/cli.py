@@ -42,4 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--screen", default="dashboard",
                    choices=["dashboard", "requests", "models", "partitions", "events"])
     a = p.parse_args(argv)
-    run(a.socket, a.replay, a.record, a.seconds, a.refresh, a.screen)
+    from gpuservd.errors import UserError
+
+    try:
+        run(a.socket, a.replay, a.record, a.seconds, a.refresh, a.screen)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)

@@ -7,12 +7,17 @@
 // context costs about as much as the attention itself; here each work item
 // walks the blocks in place.
 //
-// Work items are (sequence, kv_head, partition of the context): the `group`
-// query heads that share a KV head are computed together so each K/V row is
-// read once, and long contexts are split into partitions (flash-decoding) so
-// that a single sequence still keeps every thread busy. Each item keeps its
-// own softmax max / sum / weighted V; a second pass combines the partitions.
-// Accumulation is fp32 for every storage dtype (fp32, bf16, fp16).
+// Work items are (sequence, partition of its context), all heads: a token's
+// K/V row (every KV head) is then read whole by one core, which the hardware
+// prefetchers stream well; splitting items by KV head instead made each core
+// fetch the lines of the heads it did not use (measured: no faster than the
+// gather path once the cache was out of L3). Software prefetch of the next
+// block made no measurable difference, so there is none. The `group` query heads that
+// share a KV head are computed together so each row is read once, and long
+// contexts are split into partitions (flash-decoding) so one sequence still
+// keeps every thread busy. Each item keeps its own softmax max / sum /
+// weighted V per head; a second pass combines the partitions. Accumulation is
+// fp32 for every storage dtype (fp32, bf16, fp16).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -32,96 +37,186 @@ namespace {
 using namespace gpuserv_simd;
 #endif
 
-constexpr int64_t kPartition = 256;  // context tokens per work item
+constexpr int64_t kMaxPartition = 256;  // context tokens per work item, at most
+constexpr int64_t kMinPartition = 32;
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f32(at::Half x) { return static_cast<float>(x); }
 
-
-// One work item: query heads [g0, g0 + group) of sequence b against context tokens [t0, t1).
-// q: [group, D] fp32, already scaled. Writes m[group], l[group], acc[group, D].
-template <typename T>
-void attend_part(const float* q, const T* k, const T* v, const int32_t* table, int64_t block_size,
-                 int64_t row_stride, int64_t t0, int64_t t1, int64_t group, int64_t D, float* scores,
-                 float* m, float* l, float* acc) {
-  const int64_t n = t1 - t0;
-  // scores: [group, n]
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* kr = k + slot * row_stride;
-#if GPUSERV_AVX2
-    if (D % 8 == 0 && group <= 16) {
-      __m256 s[16];
-      for (int64_t g = 0; g < group; ++g) s[g] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < D; c += 8) {
-        __m256 kv = load8(kr + c);
-        for (int64_t g = 0; g < group; ++g) s[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kv, s[g]);
-      }
-      for (int64_t g = 0; g < group; ++g) scores[g * n + (t - t0)] = hsum(s[g]);
-      continue;
-    }
-#endif
-    for (int64_t g = 0; g < group; ++g) {
-      float s = 0.f;
-      for (int64_t c = 0; c < D; ++c) s += q[g * D + c] * to_f32(kr[c]);
-      scores[g * n + (t - t0)] = s;
-    }
+// Calls fn(row_index, count) for each run of consecutive context tokens [t0, t1) that share a block:
+// row_index is the flat cache row (block * block_size + offset) of the run's first token.
+template <typename Fn>
+inline void for_each_run(const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, Fn&& fn) {
+  int64_t t = t0;
+  while (t < t1) {
+    const int64_t off = t % block_size;
+    const int64_t count = std::min(block_size - off, t1 - t);
+    fn(static_cast<int64_t>(table[t / block_size]) * block_size + off, count);
+    t += count;
   }
-  // softmax numerators, per query head
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * n;
+}
+
+struct Item {
+  const float* q;  // [H, D] fp32, scaled
+  const int32_t* table;  // the sequence's block table
+  int64_t t0, t1;  // context tokens of this item
+  float* m;  // [H] softmax max of this item's scores
+  float* l;  // [H] sum of exp(score - m)
+  float* acc;  // [H, D] sum of exp(score - m) * v
+};
+
+struct Shape {
+  int64_t block_size, kv_heads, group, D, row_stride;  // row_stride = kv_heads * D
+};
+
+// softmax numerators in place over scores [rows, n]; writes each row's max and sum.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* m, float* l) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * n;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
     float sum = 0.f;
     int64_t i = 0;
 #if GPUSERV_AVX2
     __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
-      _mm256_storeu_ps(sg + i, e);
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), vm));
+      _mm256_storeu_ps(sr + i, e);
       vs = _mm256_add_ps(vs, e);
     }
     sum = hsum(vs);
 #endif
     for (; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - mx);
-      sum += sg[i];
+      sr[i] = std::exp(sr[i] - mx);
+      sum += sr[i];
     }
-    m[g] = mx;
-    l[g] = sum;
+    m[r] = mx;
+    l[r] = sum;
   }
-  // acc[g] = sum_t p[g, t] * v[t]
-  std::fill(acc, acc + group * D, 0.f);
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* vr = v + slot * row_stride;
-#if GPUSERV_AVX2
-    if (D % 8 == 0) {
-      for (int64_t c = 0; c < D; c += 8) {
-        __m256 vv = load8(vr + c);
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = acc + g * D + c;
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * n + (t - t0)]), vv, _mm256_loadu_ps(a)));
+}
+
+// Any group size and head dim, plain loops. scores: [H, n] scratch.
+template <typename T>
+void attend_item_generic(const Item& it, const T* k, const T* v, const Shape& sh, float* scores) {
+  const int64_t n = it.t1 - it.t0, G = sh.group, D = sh.D, H = sh.kv_heads * G;
+  int64_t i = 0;
+  for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+    for (int64_t r = 0; r < count; ++r, ++i) {
+      for (int64_t h = 0; h < sh.kv_heads; ++h) {
+        const T* kr = k + (row + r) * sh.row_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = it.q + (h * G + g) * D;
+          float s = 0.f;
+          for (int64_t c = 0; c < D; ++c) s += qg[c] * to_f32(kr[c]);
+          scores[(h * G + g) * n + i] = s;
         }
       }
-      continue;
     }
-#endif
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * n + (t - t0)];
-      for (int64_t c = 0; c < D; ++c) acc[g * D + c] += p * to_f32(vr[c]);
+  });
+  softmax_rows(scores, H, n, it.m, it.l);
+  std::fill(it.acc, it.acc + H * D, 0.f);
+  i = 0;
+  for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+    for (int64_t r = 0; r < count; ++r, ++i) {
+      for (int64_t h = 0; h < sh.kv_heads; ++h) {
+        const T* vr = v + (row + r) * sh.row_stride + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[(h * G + g) * n + i];
+          float* a = it.acc + (h * G + g) * D;
+          for (int64_t c = 0; c < D; ++c) a[c] += p * to_f32(vr[c]);
+        }
+      }
+    }
+  });
+}
+
+#if GPUSERV_AVX2
+// The item with the group size G and a V tile of TILE floats fixed at compile time, so that the
+// G dot products of a K row and the G x TILE output accumulators live in registers (with a
+// runtime G they went through the stack, and every FMA waited on a store: 3-4x slower).
+// Needs D % 16 == 0 and D % TILE == 0.
+template <typename T, int G, int TILE>
+void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, float* scores) {
+  const int64_t n = it.t1 - it.t0, D = sh.D, KVH = sh.kv_heads;
+  int64_t i0 = 0;
+  for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* q = it.q + h * G * D;
+      float* sc = scores + h * G * n + i0;
+      for (int64_t r = 0; r < count; ++r) {
+        const T* kr = k + (row + r) * sh.row_stride + h * D;
+        __m256 s0[G], s1[G];
+        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+          const __m256 k0 = load8(kr + c), k1 = load8(kr + c + 8);
+          for (int g = 0; g < G; ++g) {
+            s0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k0, s0[g]);
+            s1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, s1[g]);
+          }
+        }
+        for (int g = 0; g < G; ++g) sc[g * n + r] = hsum(_mm256_add_ps(s0[g], s1[g]));
+      }
+    }
+    i0 += count;
+  });
+  softmax_rows(scores, KVH * G, n, it.m, it.l);
+  constexpr int J = TILE / 8;
+  for (int64_t h = 0; h < KVH; ++h) {
+    const float* p = scores + h * G * n;
+    for (int64_t c0 = 0; c0 < D; c0 += TILE) {
+      __m256 a[G][J];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < J; ++j) a[g][j] = _mm256_setzero_ps();
+      int64_t i = 0;
+      for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+        for (int64_t r = 0; r < count; ++r, ++i) {
+          const T* vr = v + (row + r) * sh.row_stride + h * D + c0;
+          for (int j = 0; j < J; ++j) {
+            const __m256 vv = load8(vr + 8 * j);
+            for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * n + i), vv, a[g][j]);
+          }
+        }
+      });
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < J; ++j) _mm256_storeu_ps(it.acc + (h * G + g) * D + c0 + 8 * j, a[g][j]);
     }
   }
+}
+#endif
+
+template <typename T>
+using ItemFn = void (*)(const Item&, const T*, const T*, const Shape&, float*);
+
+// The register-blocked variant for this group size and head dim, else the generic loops.
+// G * TILE / 8 accumulators stay within 12 of the 16 ymm registers.
+template <typename T>
+ItemFn<T> pick_item_fn(int64_t group, int64_t D) {
+#if GPUSERV_AVX2
+  if (D % 16 == 0) {
+    const bool t32 = D % 32 == 0;
+    switch (group) {
+      case 1: return t32 ? attend_item_fixed<T, 1, 32> : attend_item_fixed<T, 1, 16>;
+      case 2: return t32 ? attend_item_fixed<T, 2, 32> : attend_item_fixed<T, 2, 16>;
+      case 3: return t32 ? attend_item_fixed<T, 3, 32> : attend_item_fixed<T, 3, 16>;
+      case 4: return attend_item_fixed<T, 4, 16>;
+      case 5: return attend_item_fixed<T, 5, 16>;
+      case 6: return attend_item_fixed<T, 6, 16>;
+      case 7: return attend_item_fixed<T, 7, 8>;
+      case 8: return attend_item_fixed<T, 8, 8>;
+      default: break;
+    }
+  }
+#endif
+  return attend_item_generic<T>;
 }
 
 template <typename T>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, const at::Tensor& ctx_lens, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t group = H / KVH;
-  const int64_t row_stride = KVH * D;  // elements between consecutive token rows of the cache
+  const int64_t KVH = k_cache.size(2);
+  const Shape sh{k_cache.size(1), KVH, H / KVH, D, KVH * D};
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t table_stride = block_table.stride(0);
   const T* qp = q.data_ptr<T>();
@@ -131,63 +226,61 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int32_t* lp = ctx_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
 
-  // Work items: (b, kv_head, partition), flattened.
-  std::vector<int64_t> first_item(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t parts = std::max<int64_t>(1, (lp[b] + kPartition - 1) / kPartition);
-    first_item[b + 1] = first_item[b] + parts * KVH;
-  }
-  const int64_t items = first_item[B];
-  std::vector<float> part_m(items * group), part_l(items * group), part_acc(items * group * D);
+  // Partition length: the largest (<= kMaxPartition) that still gives every thread a few items.
+  int64_t part_len = kMaxPartition;
+  const int64_t want_items = 4 * at::get_num_threads();
+  auto count_items = [&](int64_t len) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) n += std::max<int64_t>(1, (lp[b] + len - 1) / len);
+    return n;
+  };
+  while (part_len > kMinPartition && count_items(part_len) < want_items) part_len /= 2;
 
+  // Work items: (b, partition), flattened; first_item[b] is b's first.
+  std::vector<int64_t> first_item(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first_item[b + 1] = first_item[b] + std::max<int64_t>(1, (lp[b] + part_len - 1) / part_len);
+  const int64_t items = first_item[B];
+  std::vector<float> qs(B * H * D), part_m(items * H), part_l(items * H), part_acc(items * H * D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < D; ++c) qs[(b * H + h) * D + c] = to_f32(qp[b * qs0 + h * qs1 + c]) * static_cast<float>(scale);
+
+  const ItemFn<T> attend_item = pick_item_fn<T>(sh.group, D);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(group * D), scores(group * kPartition);
+    std::vector<float> scores(H * part_len);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), it) - first_item.begin() - 1;
-      const int64_t local = it - first_item[b];
-      const int64_t h = local % KVH, part = local / KVH;
-      const int64_t len = lp[b];
-      const int64_t t0 = part * kPartition, t1 = std::min(len, t0 + kPartition);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qr = qp + b * qs0 + (h * group + g) * qs1;
-        for (int64_t c = 0; c < D; ++c) qbuf[g * D + c] = to_f32(qr[c]) * static_cast<float>(scale);
-      }
+      const int64_t t0 = (it - first_item[b]) * part_len, t1 = std::min<int64_t>(lp[b], t0 + part_len);
+      const Item item{&qs[b * H * D], tp + b * table_stride, t0, t1, &part_m[it * H], &part_l[it * H], &part_acc[it * H * D]};
       if (t1 <= t0) {  // empty context: contributes nothing
-        for (int64_t g = 0; g < group; ++g) {
-          part_m[it * group + g] = -std::numeric_limits<float>::infinity();
-          part_l[it * group + g] = 0.f;
-        }
-        std::fill(&part_acc[it * group * D], &part_acc[(it + 1) * group * D], 0.f);
+        std::fill(item.m, item.m + H, -std::numeric_limits<float>::infinity());
+        std::fill(item.l, item.l + H, 0.f);
+        std::fill(item.acc, item.acc + H * D, 0.f);
         continue;
       }
-      attend_part<T>(qbuf.data(), kp + h * D, vp + h * D, tp + b * table_stride, block_size, row_stride, t0, t1,
-                     group, D, scores.data(), &part_m[it * group], &part_l[it * group], &part_acc[it * group * D]);
+      attend_item(item, kp, vp, sh, scores.data());
     }
   });
 
-  // Combine the partitions of each (b, kv_head): rescale by exp(m_p - max m).
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Combine the partitions of each (b, head): rescale by exp(m_p - max m).
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / KVH, h = bh % KVH;
-      const int64_t parts = (first_item[b + 1] - first_item[b]) / KVH;
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (b * H + h * group + g) * D;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_m[(first_item[b] + p * KVH + h) * group + g]);
-        float denom = 0.f;
-        std::fill(o, o + D, 0.f);
-        for (int64_t p = 0; p < parts; ++p) {
-          const int64_t it = first_item[b] + p * KVH + h;
-          const float mp = part_m[it * group + g];
-          if (mp == -std::numeric_limits<float>::infinity()) continue;
-          const float w = std::exp(mp - mx);
-          denom += w * part_l[it * group + g];
-          const float* a = &part_acc[(it * group + g) * D];
-          for (int64_t c = 0; c < D; ++c) o[c] += w * a[c];
-        }
-        const float inv = denom > 0.f ? 1.f / denom : 0.f;
-        for (int64_t c = 0; c < D; ++c) o[c] *= inv;
+      const int64_t b = bh / H, h = bh % H;
+      float* o = op + bh * D;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t it = first_item[b]; it < first_item[b + 1]; ++it) mx = std::max(mx, part_m[it * H + h]);
+      float denom = 0.f;
+      std::fill(o, o + D, 0.f);
+      for (int64_t it = first_item[b]; it < first_item[b + 1]; ++it) {
+        const float mp = part_m[it * H + h];
+        if (mp == -std::numeric_limits<float>::infinity()) continue;
+        const float w = std::exp(mp - mx);
+        denom += w * part_l[it * H + h];
+        const float* a = &part_acc[(it * H + h) * D];
+        for (int64_t c = 0; c < D; ++c) o[c] += w * a[c];
       }
+      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      for (int64_t c = 0; c < D; ++c) o[c] *= inv;
     }
   });
 }

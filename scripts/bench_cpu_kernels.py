@@ -1,0 +1,178 @@
+"""Same-process A/B of the C++ CPU kernels against the torch paths they replace.
+
+1. Decode attention: `ops.paged_decode` (blocks read in place) against
+   `decode_attention_torch` (gather + SDPA), SmolLM2's shape (9 heads, 3 KV
+   heads, head dim 64, 16-token blocks), fp32, over several batch sizes and
+   context lengths. Each layer has its own cache, as in the model, and calls
+   cycle over the layers so a case's KV does not sit in the L3 cache unless
+   the model's would. Kernel and torch calls alternate; medians are reported.
+2. Whole decode steps of SmolLM2 through ModelRunner.execute with the kernels
+   on and off (off = the attention gather path and the torch layer ops),
+   alternating blocks of steps, medians per step.
+
+Run under `nice -n 19`; the machine may be shared, so only same-process
+ratios mean much. Writes result.json and result.md to --out.
+
+    .venv/bin/python scripts/bench_cpu_kernels.py --out bench/results/2026-11-29-cpu-paged-attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gpuservd.paths import models_root
+from gpuservd.runner import cpu_kernels
+from gpuservd.runner.attention import decode_attention_torch
+from gpuservd.runner.batch import SeqChunk, build_batch
+from gpuservd.runner.model_runner import ModelRunner
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+LAYERS_MAX = 30
+CACHE_BYTES_MAX = 1 << 30  # per case, over all its layers
+
+
+def attention_case(batch: int, lens: list[int], reps: int, seed: int = 0) -> dict:
+    ops = cpu_kernels.get()
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // BLOCK) for n in lens]
+    num_blocks = sum(need)
+    per_layer = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * 4
+    layers = max(2, min(LAYERS_MAX, CACHE_BYTES_MAX // per_layer))
+    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
+               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g)) for _ in range(layers)]
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks, as after a while of serving
+    chunks, at = [], 0
+    for n, nb in zip(lens, need):
+        chunks.append(SeqChunk([0], n - 1, perm[at: at + nb], True))
+        at += nb
+    fb = build_batch(chunks, BLOCK, torch.device("cpu"))
+    q = torch.randn(batch, HEADS + KV_HEADS, HEAD_DIM, generator=g)[:, :HEADS]
+    scale = HEAD_DIM ** -0.5
+
+    def kernel(layer):
+        k, v = caches[layer]
+        return ops.paged_decode(q, k, v, fb.decode_block_table, fb.decode_ctx_lens, scale)
+
+    def gather(layer):
+        k, v = caches[layer]
+        return decode_attention_torch(q, k, v, fb, scale)
+
+    torch.testing.assert_close(kernel(0), gather(0), atol=1e-5, rtol=1e-4)
+    times = {"kernel": [], "gather": []}
+    with torch.inference_mode():
+        for _ in range(2):  # warm-up
+            kernel(0), gather(0)
+        for r in range(reps):
+            order = [("kernel", kernel), ("gather", gather)] if r % 2 == 0 else [("gather", gather), ("kernel", kernel)]
+            for name, fn in order:
+                t0 = time.perf_counter()
+                for layer in range(layers):
+                    fn(layer)
+                times[name].append((time.perf_counter() - t0) / layers)
+    k_us = statistics.median(times["kernel"]) * 1e6
+    g_us = statistics.median(times["gather"]) * 1e6
+    return {"batch": batch, "ctx_lens": lens if len(set(lens)) > 1 else lens[0], "layers_cycled": layers,
+            "reps": reps, "kernel_us": round(k_us, 1), "gather_us": round(g_us, 1), "speedup": round(g_us / k_us, 2)}
+
+
+def _set_kernels(runner: ModelRunner, ops, on: bool):
+    runner.model._ops = ops if on else None
+    cpu_kernels._state["ops"] = ops if on else None  # attention asks cpu_kernels.get()
+
+
+def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int) -> dict:
+    ops = cpu_kernels.get()
+    tables = [runner.cache.pool.allocate(-(-(ctx + steps * rounds * 2 + 8) // BLOCK)) for _ in range(batch)]
+    prompt = [(11 + 7 * i) % 4000 + 3 for i in range(ctx)]
+    for t in tables:
+        runner.execute([SeqChunk(prompt, 0, t, True)])
+    pos = [ctx] * batch
+    times = {"kernels": [], "torch": []}
+    try:
+        for r in range(rounds * 2 + 1):
+            mode = ("kernels", "torch")[r % 2] if r % 4 < 2 else ("torch", "kernels")[r % 2]
+            _set_kernels(runner, ops, mode == "kernels")
+            for s in range(steps):
+                chunks = [SeqChunk([5], pos[i], tables[i], True) for i in range(batch)]
+                t0 = time.perf_counter()
+                runner.execute(chunks)
+                if r > 0:  # round 0 warms up
+                    times[mode].append(time.perf_counter() - t0)
+                pos = [p + 1 for p in pos]
+    finally:
+        _set_kernels(runner, ops, True)
+        for t in tables:
+            runner.cache.pool.free(t)
+    k_ms = statistics.median(times["kernels"]) * 1e3
+    t_ms = statistics.median(times["torch"]) * 1e3
+    return {"batch": batch, "ctx": ctx, "steps_each": len(times["kernels"]), "kernels_ms": round(k_ms, 2),
+            "torch_ms": round(t_ms, 2), "speedup": round(t_ms / k_ms, 2)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions (a smoke run)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    status = cpu_kernels.status()
+    if not status["loaded"]:
+        raise SystemExit(f"the C++ kernels did not load: {status['reason']}")
+
+    attn = []
+    ctxs = [128, 512, 2048] if args.quick else [128, 512, 1024, 2048, 4096]
+    for batch in (1, 8, 32):
+        for ctx in ctxs:
+            if batch * ctx > 32 * 2048:
+                continue
+            attn.append(attention_case(batch, [ctx] * batch, args.reps))
+            print(json.dumps(attn[-1]), flush=True)
+    mixed = [64, 100, 200, 333, 512, 900, 1500, 2048]  # one batch of very different lengths
+    attn.append(attention_case(len(mixed), mixed, args.reps))
+    print(json.dumps(attn[-1]), flush=True)
+
+    steps = []
+    model_dir = models_root() / args.model
+    if (model_dir / "config.json").exists():
+        runner = ModelRunner(model_dir, "float32", "cpu", BLOCK, 512 << 20, 4 << 30, 0.5, 8192)
+        cases = [(1, 64), (1, 1024), (8, 512)] if args.quick else [(1, 64), (1, 1024), (1, 2048), (8, 128), (8, 1024), (32, 256)]
+        for batch, ctx in cases:
+            steps.append(step_case(runner, batch, ctx, steps=4 if args.quick else 8, rounds=3 if args.quick else 5))
+            print(json.dumps(steps[-1]), flush=True)
+
+    result = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, shared with other jobs",
+        "torch": torch.__version__,
+        "kernel_build": status,
+        "attention": {"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
+                                "dtype": "float32"}, "per_layer_call": attn},
+        "decode_step": {"model": args.model, "dtype": "float32", "cases": steps},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = ["# C++ CPU kernels vs torch paths (same process, alternating, medians)", "",
+          f"{result['when']}, {result['machine']}, torch {result['torch']}.", "",
+          "## Decode attention, one layer call (SmolLM2 shape, fp32)", "",
+          "| batch | context | kernel us | gather + SDPA us | speedup |", "|---|---|---|---|---|"]
+    for a in attn:
+        md.append(f"| {a['batch']} | {a['ctx_lens']} | {a['kernel_us']} | {a['gather_us']} | {a['speedup']}x |")
+    if steps:
+        md += ["", f"## Whole decode step, {args.model} fp32 (kernels = paged attention + fused layer ops)", "",
+               "| batch | context | kernels ms | torch ms | speedup |", "|---|---|---|---|---|"]
+        for s in steps:
+            md.append(f"| {s['batch']} | {s['ctx']} | {s['kernels_ms']} | {s['torch_ms']} | {s['speedup']}x |")
+    (args.out / "result.md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
