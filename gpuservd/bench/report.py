@@ -76,7 +76,7 @@ def ratios(systems: dict, classes: list[str]) -> dict:
         return {}
     out = {}
     for name, peer in systems.items():
-        if name == OURS:
+        if _ours(name):
             continue
         entry = {"throughput": _ratio(ours["throughput_tok_s"], peer["throughput_tok_s"])}
         for metric, short in (("latency_s", "latency"), ("ttft_s", "ttft")):
@@ -229,8 +229,8 @@ def _preemption_lines(result: dict, groups: list[str]) -> list[str]:
     ours = {n: s for n, s in result["systems"].items() if _ours(n)}
     if not any("num_preempted" in s["extra"] for s in ours.values()):
         return []
-    head = ["run", "preemptions", "max per request", "kinds", "swap MB", "tokens recomputed",
-            "scheduler % of step", "swap % of step"]
+    head = ["run", "preemptions", "max per request", "kinds", "swap MB", "tokens recomputed", "layer suspends",
+            "scheduler % of step", "swap % of step", "busy %"]
     lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in ours.items():
         e = s["extra"]
@@ -238,7 +238,8 @@ def _preemption_lines(result: dict, groups: list[str]) -> list[str]:
         lines.append("| " + " | ".join([
             name, str(e.get("num_preempted", "-")), str(e.get("max_preemptions_per_request", "-")), kinds,
             _f(e.get("swap_bytes", 0) / 1e6, "{:.1f}"), str(e.get("tokens_recomputed", "-")),
-            _f(100 * e.get("scheduler_share", 0), "{:.2f}"), _f(100 * e.get("swap_share", 0), "{:.2f}")]) + " |")
+            str(e.get("layer_suspends", "-")), _f(100 * e.get("scheduler_share", 0), "{:.2f}"),
+            _f(100 * e.get("swap_share", 0), "{:.2f}"), _f(100 * (e.get("busy_share") or 0), "{:.0f}")]) + " |")
     if result.get("variants"):
         head = ["variant / gpuserv", "tok/s"] + [f"latency {g} p50 / p99" for g in groups]
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
