@@ -13,9 +13,9 @@ from console.widgets import NOT_REPORTED, UNAVAILABLE, Panel, bar_chart, fmt_byt
 MAX_CHART_ROWS = 12
 
 
-def latency_text(views, width: int, height: int) -> Text:
+def latency_text(views, width: int, height: int, connected: bool = True) -> Text:
     if not views:
-        return Text("no model loaded")
+        return Text("no model loaded" if connected else "no data from the daemon yet")
     out = Text()
     per_model = max(4, height // len(views))
     for i, v in enumerate(views):
@@ -119,7 +119,7 @@ class DashboardScreen(ConsoleScreen):
     def draw(self, state) -> None:
         lat = self.query_one("#latency", Panel)
         size = lat.content_size
-        lat.show(latency_text(state.model_views(), size.width or 76, size.height or 9))
+        lat.show(latency_text(state.model_views(), size.width or 76, size.height or 9, state.status is not None))
         pre = self.query_one("#preempt", Panel)
         pre.border_title = f"Preemptions ({len(state.log('preemption'))})"
         pre.show(preemption_text(state, max(1, pre.content_size.height or 3), pre.content_size.width or 36))
