@@ -118,3 +118,14 @@ def test_log_since_returns_only_new_entries():
     assert state.log_since(n) == []
     state.ingest({"type": "model_unload", "t": 1.0, "model": "tiny", "num_aborted": 0})
     assert [e["type"] for e in state.log_since(n)] == ["model_unload"]
+
+
+def test_request_rows_sort_and_filter_with_missing_fields():
+    from console.screens.requests import filter_rows, sort_rows
+
+    rows = [{"request_id": "a", "state": "running", "num_output_tokens": 5},
+            {"request_id": "b", "state": "tokenizing"},  # not in the engine yet: no token count
+            {"request_id": "c", "state": "preempted", "num_output_tokens": 9, "model": "tiny"}]
+    assert [r["request_id"] for r in sort_rows(rows, "num_output_tokens", True)] == ["c", "a", "b"]
+    assert [r["request_id"] for r in sort_rows(rows, "model", False)] == ["a", "b", "c"]
+    assert [r["request_id"] for r in filter_rows(rows, "tiny pre")] == ["c"]

@@ -49,10 +49,12 @@ class EventsScreen(ConsoleScreen):
         super().__init__()
         self.kind: str | None = None  # None = every kind
         self._drawn = (-1, -1, None)  # (num_logged, num_log_edits, kind) last drawn
+        self._rows: list[dict] = []  # the events in the table, in its order
 
     def body(self) -> ComposeResult:
         yield Static("", id="events-filter", markup=False)
         yield DataTable(id="events", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="event-detail", markup=False)
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -72,14 +74,22 @@ class EventsScreen(ConsoleScreen):
         following = table.row_count == 0 or table.cursor_row >= table.row_count - 1
         if edits != state.num_log_edits or kind != self.kind:
             table.clear()
+            self._rows = []
             new = state.log(self.kind)
         else:
             new = [e for e in state.log_since(num) if self._matches(e)]
         for e in new:
             table.add_row(fmt_utc(e.get("t")), str(e.get("type")), str(e.get("model") or ""), Text(describe(e)))
+            self._rows.append(e)
         self._drawn = (state.num_logged, state.num_log_edits, self.kind)
         if following and table.row_count:
             table.move_cursor(row=table.row_count - 1)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        row = event.cursor_row
+        e = self._rows[row] if 0 <= row < len(self._rows) else None
+        self.query_one("#event-detail", Static).update(
+            "" if e is None else f"{fmt_utc(e.get('t'))} {e.get('type')} {e.get('model') or ''}: {describe(e)}")
 
     def _matches(self, e: dict) -> bool:
         if self.kind is None:

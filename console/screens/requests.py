@@ -29,7 +29,8 @@ def filter_rows(rows: list[dict], text: str) -> list[dict]:
 
 def sort_rows(rows: list[dict], key: str, reverse: bool) -> list[dict]:
     default = next((d for _, f, d in COLUMNS if f == key), None)
-    return sorted(rows, key=lambda r: (r.get(key) if r.get(key) is not None else default or ""), reverse=reverse)
+    default = "" if default is None else default  # a missing value sorts as 0 (numbers) or "" (text)
+    return sorted(rows, key=lambda r: default if r.get(key) is None else r[key], reverse=reverse)
 
 
 class RequestsScreen(ConsoleScreen):
