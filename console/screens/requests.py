@@ -69,6 +69,7 @@ class RequestsScreen(ConsoleScreen):
 
     def draw(self, state) -> None:
         table = self.query_one(DataTable)
+        current = self.selected()  # keep the cursor on the same request across redraws
         rows = state.requests or []
         waited = any("waited_s" in r for r in rows)
         columns = [c for c in COLUMNS if c[1] != "waited_s" or waited]
@@ -82,7 +83,6 @@ class RequestsScreen(ConsoleScreen):
         elif shown == self._shown:
             self._detail()
             return
-        current = self.selected()
         table.clear()
         for r in shown:
             cells = []
