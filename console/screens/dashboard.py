@@ -8,7 +8,7 @@ from textual.containers import Container
 
 from console.screens import ConsoleScreen
 from console.state import LATENCY_WINDOW, RATE_WINDOW_S
-from console.widgets import NOT_REPORTED, UNAVAILABLE, Panel, bar_chart, fmt_bytes, fmt_ms, fmt_utc, gauge
+from console.widgets import NOT_REPORTED, UNAVAILABLE, Panel, bar_chart, fmt_bytes, fmt_ms, fmt_utc, gauge, victim_cost
 
 MAX_CHART_ROWS = 12
 
@@ -56,25 +56,28 @@ def preemption_text(state, n: int, width: int) -> Text:
     wide = width >= 50
     out = Text()
     for e in recent:
-        ids = e.get("request_ids") or ([e["victim"]] if e.get("victim") else [])
-        victims = ", ".join(i if wide else i[:13] for i in ids) or f"{e.get('num_preempted', '?')} request(s)"
-        cost = [str(e["kind"])] if e.get("kind") else []
-        if e.get("bytes") is not None:
-            cost.append(fmt_bytes(e["bytes"]))
-        if e.get("seconds") is not None:
-            cost.append(f"{e['seconds'] * 1000:.1f} ms")
+        victims = e.get("victims") or [{"request_id": i} for i in e.get("request_ids") or []] or [e]
+        who = ", ".join(f"{(v.get('request_id') or v.get('victim') or '?')[:None if wide else 13]}"
+                        + (f" {victim_cost(v)}" if victim_cost(v) else "") for v in victims)
         step = f" step {e.get('step_id')}" if wide else ""
-        out.append(f"{fmt_utc(e.get('t'))} {e.get('model', '')}{step} {victims}"
-                   + (f" ({', '.join(cost)})" if cost else "") + "\n")
+        out.append(f"{fmt_utc(e.get('t'))} {e.get('model', '')}{step} {who}\n")
     return out
 
 
 def swap_text(state) -> str:
+    lines = []
     rates = state.swap_rates()
     if rates is None:
-        return f"swap: {NOT_REPORTED}"
-    return (f"out {fmt_bytes(rates['out'])}/s\nin  {fmt_bytes(rates['in'])}/s\n"
-            f"(last {RATE_WINDOW_S:.0f} s)")
+        lines.append(f"swap: {NOT_REPORTED}")
+    else:
+        lines.append(f"out {fmt_bytes(rates['out'])}/s  in {fmt_bytes(rates['in'])}/s (last {RATE_WINDOW_S:.0f} s)")
+    for m in (state.status or {}).get("models", []):
+        p = m.get("preemption")
+        if p:
+            lines.append(f"{m['name']}: {p.get('mode')} {p.get('granularity', '')} {p.get('kind', '')}, "
+                         f"host {p.get('host_blocks_used', 0)}/{p.get('host_blocks_total', 0)} blocks, "
+                         f"{p.get('num_swapped', 0)} swapped")
+    return "\n".join(lines)
 
 
 def device_text(state) -> str:

@@ -8,7 +8,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
 from console.screens import ConsoleScreen
-from console.widgets import fmt_bytes, fmt_utc
+from console.widgets import fmt_bytes, fmt_utc, victim_cost
 
 SKIP = ("type", "t", "model", "derived")
 
@@ -18,12 +18,14 @@ def describe(e: dict) -> str:
     kind = e.get("type")
     parts = []
     if kind == "preemption":
-        ids = e.get("request_ids") or ([e["victim"]] if e.get("victim") else [])
-        parts.append(f"step {e.get('step_id', '?')}: {e.get('num_preempted', len(ids))} preempted "
-                     f"[{', '.join(ids)}]")
+        victims = e.get("victims") or [{"request_id": i} for i in e.get("request_ids") or []]
+        parts.append(f"step {e.get('step_id', '?')}: {e.get('num_preempted', len(victims))} preempted: "
+                     + "; ".join(f"{v.get('request_id')} {victim_cost(v)}".rstrip() + (
+                         f" ({v['reason']})" if v.get("reason") else "") for v in victims))
         if e.get("derived"):
             parts.append("(from the step record)")
-        rest = {k: v for k, v in e.items() if k not in SKIP + ("step_id", "num_preempted", "request_ids", "victim")}
+        rest = {k: v for k, v in e.items()
+                if k not in SKIP + ("step_id", "num_preempted", "request_ids", "victims")}
     elif kind == "console":
         return e.get("message", "")
     elif kind == "request_finished":
