@@ -19,6 +19,8 @@ def run(socket: str | Path | None = None, replay: Path | None = None, record: Pa
     names = [name for _, name, _ in SCREENS]
     if screen not in names:
         raise UserError(f"--screen {screen!r} is unknown; choose one of: {', '.join(names)}")
+    if replay is not None and not Path(replay).is_file():
+        raise UserError(f"no recording at {replay}")
     if record is not None:
         from console.feed import record as do_record
 

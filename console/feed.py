@@ -65,10 +65,11 @@ class LiveFeed:
                 await self._follow(client)
                 why = "the daemon closed the event stream"
             except LINK_ERRORS as exc:
-                why = str(exc) if isinstance(exc, DaemonUnavailable) else f"lost the daemon ({type(exc).__name__})"
+                why = ("no daemon answers (start one with `gpuserv serve`)" if isinstance(exc, DaemonUnavailable)
+                       else f"lost the daemon ({type(exc).__name__})")
             finally:
                 await client.aclose()
-            self.state.set_connection("disconnected", client.where, f"{why}; retrying every {RETRY_S:.0f} s")
+            self.state.set_connection("disconnected", client.where, f"retrying every {RETRY_S:.0f} s: {why}")
             await asyncio.sleep(RETRY_S)
 
     async def _follow(self, client: AsyncClient) -> None:

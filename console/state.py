@@ -29,7 +29,7 @@ OPTIONAL_SOURCES = {
     "hints": "status.hints or events of type hint",
     "weight cache": "status.weight_cache, status.models[].tiers",
     "partitions": "status.partitions, status.arbiter",
-    "swap": "events swap_out / swap_in / swap (bytes, seconds), or step fields swap_out_bytes / swap_in_bytes",
+    "swap": "events swap (kind swap_out / swap_in, bytes_moved, seconds), swap_out / swap_in; step field swaps",
 }
 SWAP_TYPES = ("swap", "swap_out", "swap_in")
 
@@ -162,9 +162,9 @@ class ConsoleState:
         else:
             if kind in SWAP_TYPES:
                 self.swap_reported = True
-                direction = kind[5:] if kind != "swap" else event.get("direction", "out")
-                self._swaps.append({"t": event.get("t", 0.0), "direction": direction,
-                                    "bytes": event.get("bytes") or 0})
+                how = str(event.get("direction") or (event.get("kind") if kind == "swap" else kind) or "")
+                self._swaps.append({"t": event.get("t", 0.0), "direction": "in" if how.endswith("in") else "out",
+                                    "bytes": event.get("bytes", event.get("bytes_moved")) or 0})
             elif kind == "hint":
                 self.hints_reported = True
                 self._hints[str(event.get("name") or event.get("symptom"))] = event
@@ -177,12 +177,8 @@ class ConsoleState:
         model = rec.get("model", "?")
         ring = self._steps.setdefault(model, deque(maxlen=LATENCY_WINDOW))
         ring.append(rec)
-        for direction in ("out", "in"):
-            n = rec.get(f"swap_{direction}_bytes")
-            if n is not None:
-                self.swap_reported = True
-                if n:
-                    self._swaps.append({"t": rec.get("t", 0.0), "direction": direction, "bytes": n})
+        if "swaps" in rec:  # a daemon with KV swap telemetry (its moves also come as "swap" events, counted there)
+            self.swap_reported = True
         if rec.get("num_preempted"):
             key = (model, rec.get("step_id"))
             if key not in self._preemptions:

@@ -52,6 +52,19 @@ def fmt_utc(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t * 10) % 10}"
 
 
+def victim_cost(v: dict) -> str:
+    """A preemption victim's kind and cost: `swap 1.5 MiB 2.1 ms`, `recompute 120 tok`."""
+    parts = [str(v["kind"])] if v.get("kind") else []
+    moved = v.get("bytes_moved", v.get("bytes"))
+    if moved:
+        parts.append(fmt_bytes(moved))
+    if v.get("seconds") is not None:
+        parts.append(f"{v['seconds'] * 1000:.1f} ms")
+    if v.get("tokens_to_recompute"):
+        parts.append(f"{v['tokens_to_recompute']} tok")
+    return " ".join(parts)
+
+
 def gauge(used: int | None, total: int | None, width: int = 20) -> str:
     """`[#####.....]  52% 41/80`, or `-` when unknown."""
     if used is None or not total:

@@ -109,7 +109,7 @@ def test_top_records_the_stream(daemon, tmp_path):
     from gpuservd.cli.main import app as cli
 
     out = tmp_path / "rec.ndjson"
-    r = CliRunner().invoke(cli, ["top", "--socket", str(daemon.socket), "--record", str(out), "--seconds", "1.5"])
+    r = CliRunner().invoke(cli, ["top", "--socket", str(daemon.socket), "--record", str(out), "--seconds", "1"])
     assert r.exit_code == 0, r.output
     sources = {json.loads(line)["source"] for line in out.read_text().splitlines()}
     assert sources == {"status", "requests", "event"}

@@ -44,10 +44,6 @@ def test_help_at_80x24(snap_compare):
     assert snap_compare(ConsoleApp.replay(STREAM), terminal_size=(80, 24), run_before=settled("question_mark"))
 
 
-def test_cancel_dialog_at_80x24(snap_compare):
-    assert snap_compare(ConsoleApp.replay(STREAM), terminal_size=(80, 24), run_before=settled("2", "c"))
-
-
 def test_dashboard_no_color(snap_compare, monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
     assert snap_compare(ConsoleApp.replay(STREAM), terminal_size=(80, 24), run_before=settled("1"))

@@ -76,20 +76,35 @@ def test_preemption_derived_from_a_step_when_the_daemon_sends_no_event():
 
 def test_data_the_daemon_does_not_report_stays_none():
     state = replayed()
-    assert state.swap_rates() is None
+    assert state.swap_rates() == {"out": 0.0, "in": 0.0}  # reported (steps carry `swaps`), none in the recording
+    assert ConsoleState().swap_rates() is None
     assert state.hints() is None
     assert state.device_readings() is None
 
 
-def test_swap_events_and_step_fields_give_rates():
+def test_swap_events_give_rates():
+    """The daemon's shapes: a "swap" event per KV move (kind swap_out / swap_in), a `swaps` list on the step."""
     state = ConsoleState(clock=lambda: 100.0)
-    state.ingest({"type": "swap_out", "t": 95.0, "model": "m", "victim": "r1", "bytes": 10 * 1024 * 1024, "seconds": 0.2})
-    state.ingest({"type": "step", "model": "m", "t": 99.0, "wall_s": 0.01, "swap_in_bytes": 5 * 1024 * 1024,
-                  "swap_out_bytes": 0})
+    state.ingest({"type": "step", "model": "m", "t": 94.0, "wall_s": 0.01, "swaps": []})
+    assert state.swap_rates() == {"out": 0.0, "in": 0.0}  # reported, and idle
+    state.ingest({"type": "swap", "t": 95.0, "model": "m", "kind": "swap_out", "request_id": "r1",
+                  "bytes_moved": 10 * 1024 * 1024, "seconds": 0.2})
+    state.ingest({"type": "swap", "t": 99.0, "model": "m", "kind": "swap_in", "request_id": "r1",
+                  "bytes_moved": 5 * 1024 * 1024, "seconds": 0.1})
     state.ingest({"type": "swap_in", "t": 50.0, "model": "m", "bytes": 999})  # outside the window
-    rates = state.swap_rates()
-    assert rates == {"out": 1024 * 1024.0, "in": 512 * 1024.0}
-    assert [e["type"] for e in state.log("swap")] == ["swap_out", "swap_in"]
+    assert state.swap_rates() == {"out": 1024 * 1024.0, "in": 512 * 1024.0}
+    assert [e["type"] for e in state.log("swap")] == ["swap", "swap", "swap_in"]
+
+
+def test_victims_cost_is_shown():
+    from console.screens.events import describe
+
+    e = {"type": "preemption", "t": 1.0, "model": "m", "step_id": 7, "num_preempted": 2, "request_ids": ["a", "b"],
+         "victims": [{"kind": "swap", "request_id": "a", "reason": "memory", "blocks_freed": 4,
+                      "tokens_to_recompute": 0, "bytes_moved": 2 * 1024 * 1024, "bytes_parked": 0, "seconds": 0.003},
+                     {"kind": "recompute", "request_id": "b", "reason": "displaced", "blocks_freed": 2,
+                      "tokens_to_recompute": 40}]}
+    assert describe(e) == "step 7: 2 preempted: a swap 2.0 MiB 3.0 ms (memory); b recompute 40 tok (displaced)"
 
 
 def test_hints_from_events_follow_their_state():
@@ -118,3 +133,14 @@ def test_log_since_returns_only_new_entries():
     assert state.log_since(n) == []
     state.ingest({"type": "model_unload", "t": 1.0, "model": "tiny", "num_aborted": 0})
     assert [e["type"] for e in state.log_since(n)] == ["model_unload"]
+
+
+def test_request_rows_sort_and_filter_with_missing_fields():
+    from console.screens.requests import filter_rows, sort_rows
+
+    rows = [{"request_id": "a", "state": "running", "num_output_tokens": 5},
+            {"request_id": "b", "state": "tokenizing"},  # not in the engine yet: no token count
+            {"request_id": "c", "state": "preempted", "num_output_tokens": 9, "model": "tiny"}]
+    assert [r["request_id"] for r in sort_rows(rows, "num_output_tokens", True)] == ["c", "a", "b"]
+    assert [r["request_id"] for r in sort_rows(rows, "model", False)] == ["a", "b", "c"]
+    assert [r["request_id"] for r in filter_rows(rows, "tiny pre")] == ["c"]

@@ -8,14 +8,14 @@ from textual.containers import Container
 
 from console.screens import ConsoleScreen
 from console.state import LATENCY_WINDOW, RATE_WINDOW_S
-from console.widgets import NOT_REPORTED, UNAVAILABLE, Panel, bar_chart, fmt_bytes, fmt_ms, fmt_utc, gauge
+from console.widgets import NOT_REPORTED, UNAVAILABLE, Panel, bar_chart, fmt_bytes, fmt_ms, fmt_utc, gauge, victim_cost
 
 MAX_CHART_ROWS = 12
 
 
-def latency_text(views, width: int, height: int) -> Text:
+def latency_text(views, width: int, height: int, connected: bool = True) -> Text:
     if not views:
-        return Text("no model loaded")
+        return Text("no model loaded" if connected else "no data from the daemon yet")
     out = Text()
     per_model = max(4, height // len(views))
     for i, v in enumerate(views):
@@ -56,25 +56,28 @@ def preemption_text(state, n: int, width: int) -> Text:
     wide = width >= 50
     out = Text()
     for e in recent:
-        ids = e.get("request_ids") or ([e["victim"]] if e.get("victim") else [])
-        victims = ", ".join(i if wide else i[:13] for i in ids) or f"{e.get('num_preempted', '?')} request(s)"
-        cost = [str(e["kind"])] if e.get("kind") else []
-        if e.get("bytes") is not None:
-            cost.append(fmt_bytes(e["bytes"]))
-        if e.get("seconds") is not None:
-            cost.append(f"{e['seconds'] * 1000:.1f} ms")
+        victims = e.get("victims") or [{"request_id": i} for i in e.get("request_ids") or []] or [e]
+        who = ", ".join(f"{(v.get('request_id') or v.get('victim') or '?')[:None if wide else 13]}"
+                        + (f" {victim_cost(v)}" if victim_cost(v) else "") for v in victims)
         step = f" step {e.get('step_id')}" if wide else ""
-        out.append(f"{fmt_utc(e.get('t'))} {e.get('model', '')}{step} {victims}"
-                   + (f" ({', '.join(cost)})" if cost else "") + "\n")
+        out.append(f"{fmt_utc(e.get('t'))} {e.get('model', '')}{step} {who}\n")
     return out
 
 
 def swap_text(state) -> str:
+    lines = []
     rates = state.swap_rates()
     if rates is None:
-        return f"swap: {NOT_REPORTED}"
-    return (f"out {fmt_bytes(rates['out'])}/s\nin  {fmt_bytes(rates['in'])}/s\n"
-            f"(last {RATE_WINDOW_S:.0f} s)")
+        lines.append(f"swap: {NOT_REPORTED}")
+    else:
+        lines.append(f"out {fmt_bytes(rates['out'])}/s  in {fmt_bytes(rates['in'])}/s (last {RATE_WINDOW_S:.0f} s)")
+    for m in (state.status or {}).get("models", []):
+        p = m.get("preemption")
+        if p:
+            lines.append(f"{m['name']}: {p.get('mode')} {p.get('granularity', '')} {p.get('kind', '')}, "
+                         f"host {p.get('host_blocks_used', 0)}/{p.get('host_blocks_total', 0)} blocks, "
+                         f"{p.get('num_swapped', 0)} swapped")
+    return "\n".join(lines)
 
 
 def device_text(state) -> str:
@@ -119,7 +122,7 @@ class DashboardScreen(ConsoleScreen):
     def draw(self, state) -> None:
         lat = self.query_one("#latency", Panel)
         size = lat.content_size
-        lat.show(latency_text(state.model_views(), size.width or 76, size.height or 9))
+        lat.show(latency_text(state.model_views(), size.width or 76, size.height or 9, state.status is not None))
         pre = self.query_one("#preempt", Panel)
         pre.border_title = f"Preemptions ({len(state.log('preemption'))})"
         pre.show(preemption_text(state, max(1, pre.content_size.height or 3), pre.content_size.width or 36))

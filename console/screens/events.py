@@ -8,7 +8,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
 from console.screens import ConsoleScreen
-from console.widgets import fmt_bytes, fmt_utc
+from console.widgets import fmt_bytes, fmt_utc, victim_cost
 
 SKIP = ("type", "t", "model", "derived")
 
@@ -18,12 +18,14 @@ def describe(e: dict) -> str:
     kind = e.get("type")
     parts = []
     if kind == "preemption":
-        ids = e.get("request_ids") or ([e["victim"]] if e.get("victim") else [])
-        parts.append(f"step {e.get('step_id', '?')}: {e.get('num_preempted', len(ids))} preempted "
-                     f"[{', '.join(ids)}]")
+        victims = e.get("victims") or [{"request_id": i} for i in e.get("request_ids") or []]
+        parts.append(f"step {e.get('step_id', '?')}: {e.get('num_preempted', len(victims))} preempted: "
+                     + "; ".join(f"{v.get('request_id')} {victim_cost(v)}".rstrip() + (
+                         f" ({v['reason']})" if v.get("reason") else "") for v in victims))
         if e.get("derived"):
             parts.append("(from the step record)")
-        rest = {k: v for k, v in e.items() if k not in SKIP + ("step_id", "num_preempted", "request_ids", "victim")}
+        rest = {k: v for k, v in e.items()
+                if k not in SKIP + ("step_id", "num_preempted", "request_ids", "victims")}
     elif kind == "console":
         return e.get("message", "")
     elif kind == "request_finished":
@@ -49,10 +51,12 @@ class EventsScreen(ConsoleScreen):
         super().__init__()
         self.kind: str | None = None  # None = every kind
         self._drawn = (-1, -1, None)  # (num_logged, num_log_edits, kind) last drawn
+        self._rows: list[dict] = []  # the events in the table, in its order
 
     def body(self) -> ComposeResult:
         yield Static("", id="events-filter", markup=False)
         yield DataTable(id="events", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="event-detail", markup=False)
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -72,14 +76,22 @@ class EventsScreen(ConsoleScreen):
         following = table.row_count == 0 or table.cursor_row >= table.row_count - 1
         if edits != state.num_log_edits or kind != self.kind:
             table.clear()
+            self._rows = []
             new = state.log(self.kind)
         else:
             new = [e for e in state.log_since(num) if self._matches(e)]
         for e in new:
             table.add_row(fmt_utc(e.get("t")), str(e.get("type")), str(e.get("model") or ""), Text(describe(e)))
+            self._rows.append(e)
         self._drawn = (state.num_logged, state.num_log_edits, self.kind)
         if following and table.row_count:
             table.move_cursor(row=table.row_count - 1)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        row = event.cursor_row
+        e = self._rows[row] if 0 <= row < len(self._rows) else None
+        self.query_one("#event-detail", Static).update(
+            "" if e is None else f"{fmt_utc(e.get('t'))} {e.get('type')} {e.get('model') or ''}: {describe(e)}")
 
     def _matches(self, e: dict) -> bool:
         if self.kind is None:

@@ -29,7 +29,8 @@ def filter_rows(rows: list[dict], text: str) -> list[dict]:
 
 def sort_rows(rows: list[dict], key: str, reverse: bool) -> list[dict]:
     default = next((d for _, f, d in COLUMNS if f == key), None)
-    return sorted(rows, key=lambda r: (r.get(key) if r.get(key) is not None else default or ""), reverse=reverse)
+    default = "" if default is None else default  # a missing value sorts as 0 (numbers) or "" (text)
+    return sorted(rows, key=lambda r: default if r.get(key) is None else r[key], reverse=reverse)
 
 
 class RequestsScreen(ConsoleScreen):
@@ -68,6 +69,7 @@ class RequestsScreen(ConsoleScreen):
 
     def draw(self, state) -> None:
         table = self.query_one(DataTable)
+        current = self.selected()  # keep the cursor on the same request across redraws
         rows = state.requests or []
         waited = any("waited_s" in r for r in rows)
         columns = [c for c in COLUMNS if c[1] != "waited_s" or waited]
@@ -81,7 +83,6 @@ class RequestsScreen(ConsoleScreen):
         elif shown == self._shown:
             self._detail()
             return
-        current = self.selected()
         table.clear()
         for r in shown:
             cells = []

@@ -24,10 +24,6 @@ def top(
     """The operations console: per-step latency, requests, models, events, live over the socket (also `python -m console`)."""
     from console.cli import run
 
-    if replay is not None and not replay.exists():
-        from gpuservd.errors import UserError
-
-        raise UserError(f"no recording at {replay}")
     run(socket, replay, record, seconds, refresh, screen)
 
 

@@ -121,22 +121,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+    store_kv: bool = True,
 ) -> torch.Tensor:
-    """Write k, v [T, kv_heads, hd] to the cache, then attend for every token; returns [T, heads, hd]."""
-    write_kv(k_cache, v_cache, k, v, batch)
-    return attend(q, k, v, k_cache, v_cache, batch, scale)
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: ForwardBatch,
-    scale: float,
-) -> torch.Tensor:
-    """paged_attention once this step's k, v are already in the cache; returns [T, heads, hd]."""
+    """Write k, v [T, kv_heads, hd] to the cache (unless the caller already has), then attend for every
+    token; returns [T, heads, hd]."""
+    if store_kv:
+        write_kv(k_cache, v_cache, k, v, batch)
     nd = batch.num_decode
     if not batch.prefills:
         return decode_attention(q, k_cache, v_cache, batch, scale)

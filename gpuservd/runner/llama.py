@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuservd.runner import cpu_kernels
-from gpuservd.runner.attention import attend, paged_attention
+from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.rope import RopeTables, apply_rope
@@ -69,7 +69,7 @@ class LlamaModel:
         # q and k heads rotated in place, this step's k and v stored in their cache slots.
         ops.rope_store_kv(qkv, rope[0], rope[1], kv[0], kv[1], batch.slots, a.num_heads, a.num_kv_heads)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        attn = attend(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, H, hd]
+        attn = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, store_kv=False)  # [T, H, hd]
         x = ops.add_rms_norm_(h, lw.o_proj(attn.reshape(t, self._q_size)), lw.post_norm, a.rms_norm_eps)
         return h.add_(lw.down(ops.silu_mul(lw.gate_up(x))))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -32,17 +31,20 @@ from console_fixtures.workload import SQUEEZED, burst  # noqa: E402
 async def _record(socket_path, timeout: float = 30.0) -> Recorder:
     state = ConsoleState()
     recorder = Recorder()
-    task = asyncio.ensure_future(LiveFeed(state, socket_path, poll_s=0.5, sink=recorder.sink).run())
+    done = asyncio.Event()
+
+    def sink(source: str, data) -> None:
+        recorder.sink(source, data)
+        if source == "requests" and data and state.recent_preemptions():
+            done.set()
+
+    task = asyncio.ensure_future(LiveFeed(state, socket_path, poll_s=0.5, sink=sink).run())
     try:
         await asyncio.sleep(1.0)
         burst(socket_path, n=3, max_tokens=20)
         await asyncio.sleep(1.5)
         burst(socket_path, n=8)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            if state.recent_preemptions() and state.requests and '"requests"' in recorder.lines[-1]:
-                break
+        await asyncio.wait_for(done.wait(), timeout)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
