@@ -30,7 +30,8 @@ from gpuservd.runner.model_runner import ModelRunner
 class LLMEngine:
     """Continuous-batching engine for one model."""
 
-    def __init__(self, model_name: str, model_dir: Path, config: EngineConfig, tokenizer=None):
+    def __init__(self, model_name: str, model_dir: Path, config: EngineConfig, tokenizer=None,
+                 weight_source=None, initial_layers: int | None = None, on_layer=None):
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -45,6 +46,9 @@ class LLMEngine:
             device_memory_bytes=config.device_memory_bytes,
             kv_cache_fraction=config.kv_cache_fraction,
             max_model_len=config.max_model_len,
+            weight_source=weight_source,
+            initial_layers=initial_layers,
+            on_layer=on_layer,
         )
         if tokenizer is None:
             from gpuservd.engine.tokenizer import load_tokenizer

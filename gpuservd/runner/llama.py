@@ -46,7 +46,7 @@ class LlamaModel:
         if self._ops is not None:
             return self._layer_forward_fused(i, h, kv, batch, rope)
         a = self.arch
-        lw: LayerWeights = self.weights.layers[i]
+        lw: LayerWeights = self.weights.layer(i)
         x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
         t = h.shape[0]
         qkv = lw.qkv(x).view(t, a.num_heads + 2 * a.num_kv_heads, a.head_dim)  # [T, H + 2 KVH, hd]
@@ -62,7 +62,7 @@ class LlamaModel:
     def _layer_forward_fused(self, i: int, h: torch.Tensor, kv, batch: ForwardBatch, rope) -> torch.Tensor:
         """layer_forward with one C++ op per elementwise step; updates h in place (h is the residual stream)."""
         a, ops = self.arch, self._ops
-        lw: LayerWeights = self.weights.layers[i]
+        lw: LayerWeights = self.weights.layer(i)
         t = h.shape[0]
         x = ops.rms_norm(h, lw.input_norm, a.rms_norm_eps)
         qkv = lw.qkv(x).view(t, a.num_heads + 2 * a.num_kv_heads, a.head_dim)  # [T, H + 2 KVH, hd]

@@ -43,7 +43,12 @@ class ModelRunner:
         device_memory_bytes: int,
         kv_cache_fraction: float,
         max_model_len: int | None,
+        weight_source=None,
+        initial_layers: int | None = None,
+        on_layer=None,
     ):
+        """weight_source: a tensor source (the host tier's HostCopy, an INT8 file) instead of the
+        store's safetensors; initial_layers: layered loading (see weights.load_weights)."""
         t0 = time.perf_counter()
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -53,7 +58,9 @@ class ModelRunner:
             # We attend over the full context; capping at the window keeps that exact.
             limit = min(limit, self.arch.sliding_window)
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
-        weights = load_weights(model_dir, self.arch, self.dtype, self.device)
+        weights = load_weights(weight_source if weight_source is not None else model_dir, self.arch, self.dtype,
+                               self.device, initial_layers=initial_layers, on_layer=on_layer)
+        self.weights = weights
         self.model = LlamaModel(self.arch, weights, self.max_model_len, self.dtype, self.device)
         self.block_size = block_size
         shape = cache_shape(self.arch, block_size, self.dtype)

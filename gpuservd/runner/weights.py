@@ -9,6 +9,7 @@ a layer can be loaded, dropped or replaced on its own (layered loading, M5).
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,22 +37,64 @@ class LayerWeights:
         return norms + sum(lin.nbytes for lin in (self.qkv, self.o_proj, self.gate_up, self.down))
 
 
+class LayerGate:
+    """Per-layer readiness of a layered load (M5): the runner waits on layer i before using it."""
+
+    def __init__(self, num_layers: int):
+        self._ready = [threading.Event() for _ in range(num_layers)]
+        self._loaded = [False] * num_layers
+        self.error: BaseException | None = None
+
+    def set(self, i: int) -> None:
+        self._loaded[i] = True
+        self._ready[i].set()
+
+    def fail(self, exc: BaseException) -> None:
+        """The load stopped: waiters on layers that never came are released with the error."""
+        self.error = exc
+        for e in self._ready:
+            e.set()
+
+    def wait(self, i: int) -> None:
+        self._ready[i].wait()
+        if not self._loaded[i]:
+            raise StoreCorrupt(f"layer {i} could not be loaded: {self.error}") from self.error
+
+    @property
+    def num_ready(self) -> int:
+        return sum(self._loaded)
+
+    def wait_all(self) -> None:
+        for i in range(len(self._ready)):
+            self.wait(i)
+
+
 @dataclass
 class ModelWeights:
-    """Everything outside the layers, plus the layers."""
+    """Everything outside the layers, plus the layers (filled in the background by a layered load)."""
 
     embed: torch.Tensor  # [V, D]
     final_norm: torch.Tensor  # [D]
     lm_head: Linear  # D -> V; shares embed's storage when tied (unless reordered for oneDNN)
-    layers: list[LayerWeights]
+    layers: list[LayerWeights | None]
+    gate: LayerGate | None = None  # set while layers stream in (load_strategy: layered)
+    expected_nbytes: int = 0  # what all layers will take (known before a layered load ends)
 
     def nbytes(self) -> int:
         """Bytes of the model's parameters in the compute dtype (a tied head counted once)."""
+        if self.gate is not None and self.expected_nbytes:
+            return self.expected_nbytes
         head = 0 if self.lm_head.weight is self.embed else self.lm_head.nbytes
         emb = self.embed.numel() * self.embed.element_size()
         return emb + head + self.final_norm.numel() * self.final_norm.element_size() + sum(
-            lw.nbytes() for lw in self.layers
+            lw.nbytes() for lw in self.layers if lw is not None
         )
+
+    def layer(self, i: int) -> LayerWeights:
+        """Layer i, waiting for it when a layered load is still bringing it in."""
+        if self.gate is not None:
+            self.gate.wait(i)
+        return self.layers[i]
 
 
 class SafetensorsReader:
@@ -87,6 +130,12 @@ class SafetensorsReader:
     def has(self, name: str) -> bool:
         return name in self.name_to_shard
 
+    def names(self) -> list[str]:
+        return sorted(self.name_to_shard)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handles[self.name_to_shard[name]].get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
         shard = self.name_to_shard.get(name)
         if shard is None:
@@ -119,17 +168,63 @@ def load_layer(reader: SafetensorsReader, arch: ModelArch, i: int, dtype, device
     )
 
 
+def expected_bytes(source, dtype: torch.dtype) -> int:
+    """Parameter bytes of a model in the compute dtype, from its tensor shapes (nothing loaded)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for name in source.names():
+        n = 1
+        for d in source.shape(name):
+            n *= d
+        total += n * elem
+    return total
+
+
 def load_weights(
-    model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None
+    source, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None,
+    initial_layers: int | None = None, on_layer=None,
 ) -> ModelWeights:
-    """Load a whole model (all layers) into the runner's layout; onednn=None picks it where available."""
+    """Load a model into the runner's layout from a model directory or a tensor source (get / has).
+
+    initial_layers=k (layered loading, M5): return once layers [0, k) are in; the others load on
+    a background thread, and the runner waits per layer (ModelWeights.layer). on_layer(i, seconds)
+    is called as each layer lands (progress for status and events)."""
+    import time
+
     if onednn is None:
         onednn = onednn_available(device, dtype)
-    reader = SafetensorsReader(model_dir)
+    reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
     embed = _cast(reader.get("model.embed_tokens.weight"), dtype, device)
     if reader.has("lm_head.weight") and not arch.tie_word_embeddings:
         lm_head = Linear(_cast(reader.get("lm_head.weight"), dtype, device), None, onednn)
     else:
         lm_head = Linear(embed, None, onednn)
-    layers = [load_layer(reader, arch, i, dtype, device, onednn) for i in range(arch.num_layers)]
-    return ModelWeights(embed, _cast(reader.get("model.norm.weight"), dtype, device), lm_head, layers)
+    final_norm = _cast(reader.get("model.norm.weight"), dtype, device)
+    n = arch.num_layers
+
+    def load(i: int) -> LayerWeights:
+        t0 = time.perf_counter()
+        lw = load_layer(reader, arch, i, dtype, device, onednn)
+        if on_layer is not None:
+            on_layer(i, time.perf_counter() - t0)
+        return lw
+
+    if initial_layers is None or initial_layers >= n:
+        return ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)])
+    layers: list[LayerWeights | None] = [None] * n
+    gate = LayerGate(n)
+    for i in range(max(0, initial_layers)):
+        layers[i] = load(i)
+        gate.set(i)
+
+    def rest():
+        try:
+            for i in range(max(0, initial_layers), n):
+                layers[i] = load(i)
+                gate.set(i)
+        except BaseException as exc:  # the runner raises it where it waits for the layer
+            gate.fail(exc)
+
+    weights = ModelWeights(embed, final_norm, lm_head, layers, gate, expected_bytes(reader, dtype))
+    threading.Thread(target=rest, name="layered-load", daemon=True).start()
+    return weights

@@ -1,0 +1,107 @@
+"""Weight tiers on a tiny model: layered loading, the host tier, INT8 in RAM and on disk."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gpuservd.config import EngineConfig
+from gpuservd.engine.engine import LLMEngine
+from gpuservd.engine.request import SamplingParams
+from gpuservd.errors import StoreCorrupt
+from gpuservd.runner.weights import SafetensorsReader
+from gpuservd.weights.host_tier import HostCopy
+from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+from gpuservd.weights.quant import quantize_int8
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+PROMPTS = [[5, 17, 99, 3, 250, 41], [7] * 20]
+
+
+def engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine("tiny", model_dir, EngineConfig(model="tiny", kv_cache_bytes=4 << 20, block_size=4), **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return engine(tiny_model_dir).generate(PROMPTS, PARAMS)
+
+
+def test_layered_load_serves_before_the_last_layer_lands_and_is_exact(tiny_model_dir, reference):
+    landed: list[int] = []
+
+    def slow(i, seconds):  # layers 1 and 2 arrive late
+        if i >= 1:
+            time.sleep(0.3)
+        landed.append(i)
+
+    t0 = time.perf_counter()
+    eng = engine(tiny_model_dir, initial_layers=1, on_layer=slow)
+    built = time.perf_counter() - t0
+    gate = eng.runner.weights.gate
+    assert gate is not None and gate.num_ready < 3  # the engine exists before every layer does
+    assert eng.generate(PROMPTS, PARAMS) == reference  # the forward waited per layer
+    assert landed == [0, 1, 2] and gate.num_ready == 3
+    assert built < 0.6  # returned without waiting for the two slow layers (0.6 s of sleeps)
+
+
+def test_layered_load_failure_surfaces_at_the_layer(tiny_model_dir):
+    class Broken:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def get(self, name):
+            if name.startswith("model.layers.2."):
+                raise StoreCorrupt("model.safetensors: truncated at layer 2")
+            return self.inner.get(name)
+
+    eng = engine(tiny_model_dir, weight_source=Broken(SafetensorsReader(tiny_model_dir)), initial_layers=1)
+    eng.add_request("a", PROMPTS[0], PARAMS)
+    with pytest.raises(StoreCorrupt, match="layer 2 could not be loaded: .*truncated at layer 2"):
+        eng.step()
+
+
+def test_host_copy_fp32_is_exact_and_int8_is_a_quarter(tiny_model_dir, reference):
+    reader = SafetensorsReader(tiny_model_dir)
+    full = HostCopy.from_reader("tiny", reader)
+    assert engine(tiny_model_dir, weight_source=full).generate(PROMPTS, PARAMS) == reference
+    small = HostCopy.from_reader("tiny", reader, compression="int8")
+    assert small.nbytes < 0.3 * full.nbytes
+    eng = engine(tiny_model_dir, weight_source=small)
+    # The device holds exactly the expanded INT8 weights, in the compute dtype.
+    w = eng.runner.weights.layer(0).o_proj
+    qt = small.tensors["model.layers.0.self_attn.o_proj.weight"]
+    expanded = w(torch.eye(qt.q.shape[1])).T  # the layer applied to the identity gives back W
+    torch.testing.assert_close(expanded, qt.dequantize(torch.float32), rtol=1e-6, atol=1e-7)
+    full_w = SafetensorsReader(tiny_model_dir).get("model.layers.0.self_attn.o_proj.weight")
+    assert not torch.equal(expanded, full_w)  # and that is not the fp32 original
+
+
+def test_quantize_int8_per_row_error_bound():
+    w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]  # rows of very different scale
+    qt = quantize_int8(w)
+    err = (qt.dequantize() - w).abs().amax(dim=1)
+    assert torch.all(err <= qt.scale / 2 + 1e-7)  # half a step per row, whatever the row's range
+    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * 48 + 64 * 4
+
+
+def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    reader = SafetensorsReader(d)
+    path = write_int8(reader, d)
+    assert path == int8_path(d) and path.stat().st_size < 0.35 * sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    r8 = Int8Reader(path)
+    host8 = HostCopy.from_reader("tiny", reader, compression="int8")
+    assert r8.names() == reader.names()
+    for name in reader.names():
+        assert r8.shape(name) == reader.shape(name)
+        assert torch.equal(r8.get(name), host8.get(name))
+    assert SafetensorsReader(d).names() == reader.names()  # the int8/ subdir is not taken for a shard
