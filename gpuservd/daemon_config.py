@@ -18,7 +18,7 @@ from gpuservd.errors import UserError
 from gpuservd.paths import daemon_socket_path
 
 SYSTEM_CONFIG = Path("/etc/gpuserv/gpuserv.yaml")
-SECTIONS = ("engine", "scheduler", "preemption", "server")
+SECTIONS = ("engine", "scheduler", "preemption", "cache", "model", "server")
 
 
 @dataclass
@@ -119,16 +119,32 @@ class DaemonConfig:
     engine: EngineConfig
     server: ServerConfig
     path: Path | None  # the file it came from (None = built-in defaults)
+    cache: "CacheConfig" = None  # the weight cache (weights/config.py); defaults when None
+
+    def __post_init__(self):
+        if self.cache is None:
+            from gpuservd.weights.config import CacheConfig
+
+            self.cache = CacheConfig()
 
 
 def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonConfig:
     data = data or {}
     if not isinstance(data, dict):
-        raise UserError(f"{where}: the top level must be a mapping with engine:, scheduler:, preemption: and server: sections")
+        raise UserError(f"{where}: the top level must be a mapping with engine:, scheduler:, preemption:, cache: and server: sections")
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise UserError(f"{where}: unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}")
-    engine = config_from_dict({k: v for k, v in data.items() if k != "server"}, where)
+    engine = config_from_dict({k: v for k, v in data.items() if k in ("engine", "scheduler", "preemption")}, where)
+    from gpuservd.weights.config import CacheConfig, apply_model_profile
+
+    cache_raw = dict(data.get("cache") or {})
+    profile_model = None
+    if "model" in data:
+        profile_model, _ = apply_model_profile(data["model"], cache_raw, where)
+    cache = CacheConfig()
+    _fill(cache, cache_raw, where, "cache.")
+    cache.validate()
     server = ServerConfig()
     raw = dict(data.get("server") or {})
     mode = raw.get("socket_mode")
@@ -138,8 +154,10 @@ def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonC
             raise UserError(f"{where}: server.socket_mode {mode} is not a mode; quote it: socket_mode: '0660'")
         raw["socket_mode"] = f"{mode:04o}"
     _fill(server, raw, where, "server.")
+    if profile_model and profile_model not in server.models:
+        server.models = list(server.models) + [profile_model]
     server.validate()
-    return DaemonConfig(engine, server, None)
+    return DaemonConfig(engine, server, None, cache)
 
 
 def resolve_config_path(path: Path | str | None) -> Path | None:

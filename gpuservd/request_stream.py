@@ -55,6 +55,10 @@ class ModelSlot:
         self.num_queued = 0
         self.num_in_flight = 0
         self.finish_times: deque[float] = deque(maxlen=256)  # monotonic, for Retry-After
+        self.num_layers = 0  # the model's layers (known once its load starts)
+        self.layers_ready = 0  # layers on the device (a layered load serves before all are in)
+        self.source_tier = ""  # where its weights came from: host | disk | disk-int8
+        self.weights_bytes = 0  # on the device, in the compute dtype
 
     def retry_after_s(self) -> int:
         """Seconds until a queue slot is likely free: the recent completion rate, 1..30."""

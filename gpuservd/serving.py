@@ -28,6 +28,7 @@ from gpuservd.request_stream import ActiveRequest, ModelSlot, RequestContext
 from gpuservd.tenants import TenantMap
 
 log = logging.getLogger("gpuservd.serving")
+LOAD_RETRY_S = 10.0  # a model whose load failed is tried again on demand after this long
 access_log = logging.getLogger("gpuservd.access")
 
 
@@ -54,6 +55,11 @@ class Serving:
         self._drain_task: asyncio.Task | None = None
         self.socket: str | None = None  # set by the daemon for /admin/status
         self.tcp: str | None = None
+        from gpuservd.weights.cache import WeightCache
+
+        self.cache = WeightCache(config.cache, config.engine.device_memory_bytes)
+        self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
+        self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -124,8 +130,43 @@ class Serving:
                               top_p=greq.top_p, seed=greq.seed, stop=list(greq.stop), ignore_eos=greq.ignore_eos,
                               detokenize=greq.detokenize)
 
+    async def _ensure_loaded(self, name: str) -> None:
+        """Load on demand (M2): a request for a store model that is not on the device starts its load,
+        and every request for it waits on that one load; other models keep serving meanwhile."""
+        cc = self.config.cache
+        slot = self.slots.get(name)
+        on_device = slot is not None and slot.state == "ready"
+        self.cache.touch(name)
+        if on_device or self.state == "draining":
+            return
+        if slot is None or slot.state == "failed":
+            if not cc.load_on_demand or time.monotonic() - self._load_failed_at.get(name, -1e9) < LOAD_RETRY_S:
+                return  # _admit answers (404 naming the failure, until it may be retried)
+            from gpuservd.store.store import ModelStore
+
+            if name not in ModelStore().names():
+                return  # _admit answers 404 with the models there are
+            task = self._load_tasks.get(name)
+            if task is None or task.done():  # one load, however many requests wait on it (M8)
+                task = self._load_tasks[name] = asyncio.ensure_future(self._load_quietly(name))
+            waiter = asyncio.shield(task)
+        else:
+            waiter = slot.loaded.wait()  # a load already under way (on demand or by the admin API)
+        try:
+            await asyncio.wait_for(waiter, cc.load_timeout_s)
+        except asyncio.TimeoutError:
+            raise protocol.unavailable(f"model {name} is still loading after {cc.load_timeout_s:.0f} s; "
+                                       "retry shortly", "model_loading", 5) from None
+
+    async def _load_quietly(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except Exception:  # the slot says failed, with the reason; the waiting requests read it
+            pass
+
     async def start(self, greq: GenerationRequest, ctx: RequestContext) -> ActiveRequest:
         """Admit, tokenize and queue a request; returns once the engine accepted it (else raises APIError)."""
+        await self._ensure_loaded(greq.model)
         slot = self._admit(greq, ctx)
         active = ActiveRequest(self, slot, ctx, greq)
         tname = ctx.tenant.name
@@ -202,7 +243,9 @@ class Serving:
 
     # ---- models -----------------------------------------------------------------------------------
     async def load(self, name: str, pinned: bool = False) -> ModelSlot:
-        """Load a model from the store onto its own engine thread; returns when it serves (or failed)."""
+        """Load a model onto its own engine thread, from the fastest tier that has it (host copy,
+        INT8 file, store), evicting least recently used idle models first (M7); returns when it
+        serves (or failed)."""
         slot = self.slots.get(name)
         if slot is not None and slot.state in ("ready", "loading"):
             await slot.loaded.wait()
@@ -216,15 +259,35 @@ class Serving:
         self.slots[name] = slot
         self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "start"})
         t0 = time.monotonic()
+        try:
+            await self._make_room(name, model_dir, cfg)
+        except Exception as exc:
+            self._load_failed(slot, exc)
+            raise
         from gpuservd.engine.engine import LLMEngine
         from gpuservd.engine.tokenizer import load_tokenizer
 
+        cc = self.config.cache
+        aloop = asyncio.get_running_loop()
+
+        def on_layer(i: int, seconds: float) -> None:  # the engine thread, as each layer lands
+            slot.layers_ready = i + 1
+            aloop.call_soon_threadsafe(self.bus.publish, {
+                "type": "model_load", "t": time.time(), "model": name, "phase": "layer", "layer": i,
+                "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
+
         def build():
-            engine = LLMEngine(name, model_dir, cfg)
+            source, tier = self._weight_source(name, model_dir)
+            slot.source_tier = tier
+            from gpuservd.runner.model_config import load_arch
+
+            slot.num_layers = load_arch(model_dir).num_layers
+            initial = cc.initial_layers if cc.load_strategy == "layered" else None
+            engine = LLMEngine(name, model_dir, cfg, weight_source=source, initial_layers=initial, on_layer=on_layer)
             engine.set_tenant_quotas(self.tenants.quotas())
             return engine
 
-        loop = EngineLoop(name, build, asyncio.get_running_loop(), self.on_post,
+        loop = EngineLoop(name, build, aloop, self.on_post,
                           self.metrics, self.config.server.admission_window_ms / 1000)
         try:
             loop.start()
@@ -232,11 +295,7 @@ class Serving:
             slot.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         except Exception as exc:
             loop.stop()
-            slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}" if not isinstance(exc, UserError) else str(exc)
-            slot.loaded.set()
-            log.error("model %s failed to load: %s", name, slot.error, exc_info=not isinstance(exc, UserError))
-            self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "failed",
-                              "error": slot.error})
+            self._load_failed(slot, exc)
             raise
         slot.max_model_len = engine.max_model_len
         if self.metrics is not None:
@@ -244,11 +303,67 @@ class Serving:
         slot.loop = loop
         slot.state = "ready"
         slot.loaded.set()
+        slot.weights_bytes = engine.runner.weights.nbytes()
+        self.cache.device_loaded(name, slot.weights_bytes, pinned)
+        self._load_failed_at.pop(name, None)
         took = time.monotonic() - t0
-        log.info("model %s ready in %.1f s (%d KV blocks of %d tokens, context %d)", name, took,
-                 engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
-        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "ready", "load_s": took})
+        log.info("model %s ready in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)", name, took,
+                 slot.source_tier, engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
+        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "ready", "load_s": took,
+                          "tier": slot.source_tier, "num_layers": slot.num_layers})
+        if cc.host_bytes and self.cache.residency(name)["host"] == 0:
+            asyncio.ensure_future(asyncio.to_thread(self._keep_host_copy, name, model_dir))
         return slot
+
+    def _load_failed(self, slot: ModelSlot, exc: BaseException) -> None:
+        slot.state = "failed"
+        slot.error = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        slot.loaded.set()
+        self._load_failed_at[slot.name] = time.monotonic()
+        self.cache.device_evicted(slot.name)
+        log.error("model %s failed to load: %s", slot.name, slot.error, exc_info=not isinstance(exc, UserError))
+        self.bus.publish({"type": "model_load", "t": time.time(), "model": slot.name, "phase": "failed",
+                          "error": slot.error})
+
+    async def _make_room(self, name: str, model_dir, cfg) -> None:
+        """Evict least recently used idle models until `name` fits the device tier (M7)."""
+        from gpuservd.runner.model_runner import DTYPES
+        from gpuservd.runner.weights import SafetensorsReader, expected_bytes
+
+        need = await asyncio.to_thread(lambda: expected_bytes(SafetensorsReader(model_dir), DTYPES[cfg.dtype]))
+        busy = {n for n, s in self.slots.items() if n != name and (s.num_in_flight or s.state != "ready")}
+        for victim in self.cache.plan_device_load(name, need, busy):
+            log.info("evicting model %s from the device to make room for %s", victim, name)
+            self.bus.publish({"type": "model_evict", "t": time.time(), "model": victim, "for": name,
+                              "to_tier": "host" if self.cache.residency(victim)["host"] else "disk"})
+            await self.unload(victim, timeout=0)
+
+    def _weight_source(self, name: str, model_dir):
+        """(tensor source, tier name) for a load: the host copy, else the store (its INT8 file under
+        compression: int8, written on first use)."""
+        copy_ = self.cache.host_copy(name)
+        if copy_ is not None:
+            self.cache.bytes_loaded["host"] += copy_.nbytes
+            return copy_, "host"
+        from gpuservd.runner.weights import SafetensorsReader
+
+        reader = SafetensorsReader(model_dir)
+        if self.config.cache.compression == "int8":
+            from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+
+            path = int8_path(model_dir)
+            if not path.exists():
+                write_int8(reader, model_dir)
+            return Int8Reader(path), "disk-int8"
+        return reader, "disk"
+
+    def _keep_host_copy(self, name: str, model_dir) -> None:
+        from gpuservd.runner.weights import SafetensorsReader
+
+        try:
+            self.cache.keep_host_copy(name, SafetensorsReader(model_dir))
+        except Exception as exc:  # the host tier is an optimisation: the disk still serves
+            log.warning("model %s: no host copy kept (%s)", name, exc)
 
     def _slot(self, name: str) -> ModelSlot:
         slot = self.slots.get(name)
@@ -272,6 +387,7 @@ class Serving:
             await asyncio.to_thread(slot.loop.stop)
         slot.encoder.shutdown(wait=False)
         self.slots.pop(name, None)
+        self.cache.device_evicted(name)
         self.bus.publish({"type": "model_unload", "t": time.time(), "model": name, "num_aborted": aborted})
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
         return {"model": name, "num_finished": finished, "num_aborted": aborted}
@@ -279,6 +395,7 @@ class Serving:
     def pin(self, name: str, pinned: bool) -> dict:
         slot = self._slot(name)
         slot.pinned = pinned
+        self.cache.set_pinned(name, pinned)
         self.bus.publish({"type": "model_pin", "t": time.time(), "model": name, "pinned": pinned})
         return {"model": name, "pinned": pinned}
 
@@ -345,7 +462,9 @@ class Serving:
             kv_block_size=slot.config.block_size, num_running=snap.num_running if snap else 0,
             num_waiting=snap.num_waiting if snap else 0, num_in_flight=slot.num_in_flight,
             max_model_len=slot.max_model_len, num_steps=snap.num_steps if snap else 0, error=slot.error,
-            preemption=snap.preemption if snap else None)
+            preemption=snap.preemption if snap else None, tiers=self.cache.residency(slot.name),
+            weights_bytes=slot.weights_bytes, num_layers=slot.num_layers, layers_ready=slot.layers_ready,
+            source_tier=slot.source_tier)
 
     def status(self) -> dict:
         st = DaemonStatus(
@@ -354,6 +473,7 @@ class Serving:
             models=[self.model_status(s) for _, s in sorted(self.slots.items())], num_in_flight=len(self.active),
             num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total)
         data = asdict(st)
+        data["weight_cache"] = self.cache.status()
         data["tenants"] = {name: {"queued": self.tenant_queued.get(name, 0),
                                   "in_flight": self.tenant_in_flight.get(name, 0)} for name in self.tenants.names()}
         srv = self.config.server

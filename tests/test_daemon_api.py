@@ -401,7 +401,10 @@ def test_models_load_pin_unload_through_cli(daemon, http):
     assert run(app, ["models", "pin", "tiny2", "--off"], env=env).exit_code == 0
     r = run(app, ["models", "unload", "tiny2", "--json"], env=env)
     assert r.exit_code == 0, r.output
-    assert_error(http.post(COMP, json={"model": "tiny2", "prompt": "x"}), 404, "loaded models: tiny")
+    assert "tiny2" not in [m["name"] for m in http.get("/admin/status").json()["models"]]
+    # cache.load_on_demand (the default): the next request for it loads it again
+    assert http.post(COMP, json={"model": "tiny2", "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert_error(http.post(COMP, json={"model": "tiny9", "prompt": "x"}), 404, "loaded models: tiny, tiny2")
     assert_error(http.post("/admin/models/nope/load"), 404, "nope")
     ok_request(http)
 

@@ -23,6 +23,11 @@ class ModelStatus:
     num_steps: int  # engine steps so far
     error: str | None = None  # why it failed (state == failed)
     preemption: dict | None = None  # mode, enabled, granularity, kind, policy, host pool, swapped, costs
+    tiers: dict | None = None  # weight bytes per tier: {"device", "host", "host_compression"}
+    weights_bytes: int = 0  # on the device, in the compute dtype
+    num_layers: int = 0
+    layers_ready: int = 0  # a layered load serves before this reaches num_layers
+    source_tier: str = ""  # where its weights were loaded from: host | disk | disk-int8
 
 
 @dataclass

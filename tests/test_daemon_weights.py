@@ -1,0 +1,96 @@
+"""The weight cache through the real daemon: load on demand, LRU eviction to the host tier,
+reload from the host tier, layered INT8 loads, and load failures that hurt only their model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from daemon_harness import DaemonProcess, make_home, wait_until
+
+COMP = "/v1/completions"
+
+
+def ask(d, model, max_tokens=3, timeout=60):
+    body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True}
+    with d.http(timeout=timeout) as c:
+        return c.post(COMP, json=body)
+
+
+def model(d, name):
+    return next((m for m in d.status()["models"] if m["name"] == name), None)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("daemon-weights")
+    home = make_home(tmp, tiny_model_dir, names=("tiny", "tiny2", "tiny3", "broken", "gone"))
+    store = home / "models"
+    shard = next((store / "broken").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a truncated shard
+    next((store / "gone").glob("*.safetensors")).unlink()  # a missing file
+    d = DaemonProcess(tmp, home, config={
+        "server": {"models": ["tiny"]},
+        "cache": {"cache_size": 2, "host_bytes": "64MiB", "load_strategy": "layered", "initial_layers": 1,
+                  "compression": "int8"},
+    })
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+
+
+def test_on_demand_load_then_lru_eviction_to_host_and_back(daemon):
+    assert ask(daemon, "tiny").status_code == 200
+    t = model(daemon, "tiny")
+    assert t["source_tier"] == "disk-int8" and t["layers_ready"] == t["num_layers"] == 3
+    # Two requests for a model that is not loaded: one load, both served.
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ask(daemon, "tiny2"))) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert [r.status_code for r in results] == [200, 200]
+    wait_until(lambda: daemon.status()["weight_cache"]["host"]["models"].count("tiny") == 1, 30,
+               what="tiny's host copy")
+    assert ask(daemon, "tiny3").status_code == 200  # cache_size 2: the least recently used (tiny) leaves
+    names = {m["name"] for m in daemon.status()["models"]}
+    assert names == {"tiny2", "tiny3"}
+    st = daemon.status()["weight_cache"]
+    assert "tiny" in st["host"]["models"] and st["host"]["compression"] == "int8"
+    assert ask(daemon, "tiny").status_code == 200  # back from the host tier, not the disk
+    assert model(daemon, "tiny")["source_tier"] == "host"
+    assert model(daemon, "tiny")["tiers"]["host"] > 0
+    st = daemon.status()["weight_cache"]
+    assert st["hits"]["host"] >= 1 and st["misses"]["device"] >= 3 and st["hits"]["device"] >= 0
+    log = daemon.log
+    assert log.count("model tiny2 ready") == 1  # one load for the two concurrent requests
+    assert "evicting model tiny from the device to make room for tiny3" in log
+
+
+@pytest.mark.parametrize("name,reason", [("broken", "broken"), ("gone", "gone")])
+def test_failed_load_fails_only_its_requests(daemon, name, reason):
+    r = ask(daemon, name)
+    assert r.status_code == 404
+    msg = r.json()["error"]["message"]
+    assert f"{name} failed to load" in msg and ("safetensors" in msg or "weight" in msg)
+    assert model(daemon, name)["state"] == "failed"
+    assert ask(daemon, "tiny2").status_code == 200  # the others keep serving
+    for m in daemon.status()["models"]:
+        if m["state"] == "ready":
+            assert m["kv_blocks_free"] == m["kv_blocks_total"]
+
+
+def test_model_too_big_for_the_device_tier(tmp_path, tiny_model_dir):
+    home = make_home(tmp_path, tiny_model_dir)
+    d = DaemonProcess(tmp_path, home, config={"server": {"models": []}, "cache": {"device_bytes": 1000}})
+    try:
+        d.wait_ready()
+        r = ask(d, "tiny")
+        assert r.status_code == 404
+        assert "needs" in r.json()["error"]["message"] and "device tier holds 0.0 MB" in r.json()["error"]["message"]
+    finally:
+        d.stop()
