@@ -1,0 +1,172 @@
+"""Cold start (M4, M5): time to first token of a model that is only on disk.
+
+For each load strategy (full; layered; layered from the INT8 file) and each
+repeat: the model's files are dropped from the page cache (posix_fadvise
+DONTNEED, so the bytes really come from the disk), the engine is built, one
+request is added and stepped until its first token. The INT8 file is written
+before the runs (the disk tier holds it; writing is not a load). Quality of the
+INT8 weights against the fp32 ones: greedy agreement over a prompt set and the
+largest logit difference. Writes result.json, result.md and a bar chart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+STRATEGIES = ("full", "layered", "layered+int8")
+
+
+def drop_page_cache(paths) -> None:
+    """Ask the kernel to forget the files' cached pages (clean pages go; nothing is deleted)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _engine(model: str, model_dir: Path, cfg, strategy: str, initial_layers: int):
+    from gpuservd.engine.engine import LLMEngine
+    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.weights.int8_file import Int8Reader, int8_path
+
+    source = Int8Reader(int8_path(model_dir)) if strategy.endswith("int8") else SafetensorsReader(model_dir)
+    initial = initial_layers if strategy.startswith("layered") else None
+    return LLMEngine(model, model_dir, cfg, weight_source=source, initial_layers=initial), source
+
+
+def _ttft(engine, prompt: list[int]) -> float:
+    from gpuservd.engine.request import SamplingParams
+
+    engine.add_request("cold", prompt, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+    while True:
+        for out in engine.step():
+            if out.new_token_ids:
+                return time.perf_counter()
+
+
+def int8_quality(model: str, model_dir: Path, cfg, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy agreement and max |logit difference| of the INT8 weights against fp32."""
+    import torch
+
+    from gpuservd.engine.engine import LLMEngine
+    from gpuservd.engine.request import SamplingParams
+    from gpuservd.runner.batch import SeqChunk
+    from gpuservd.weights.int8_file import Int8Reader, int8_path
+
+    ref = LLMEngine(model, model_dir, cfg)
+    q8 = LLMEngine(model, model_dir, cfg, weight_source=Int8Reader(int8_path(model_dir)))
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    a, b = ref.generate(prompts, params), q8.generate(prompts, params)
+    same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta)) for ta, tb in zip(a, b))
+    diffs = []
+    for p in prompts:
+        blocks = list(range(-(-len(p) // cfg.block_size)))
+        la = ref.runner.execute([SeqChunk(p, 0, blocks, True)])
+        lb = q8.runner.execute([SeqChunk(p, 0, blocks, True)])
+        diffs.append(float((la - lb).abs().max()))
+        scale = float(la.abs().max())
+    total = sum(len(t) for t in a)
+    return {"prompts": len(prompts), "new_tokens": new_tokens, "greedy_token_agreement": same / total,
+            "greedy_identical_prefix_share": prefix / total, "max_logit_diff": max(diffs),
+            "logit_scale": scale, "outputs_fp32": a, "outputs_int8": b, "torch": torch.__version__}
+
+
+def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_layers: int = 8, repeats: int = 3,
+                   num_threads: int | None = None, log=print) -> dict:
+    from gpuservd.config import EngineConfig
+    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.store.store import ModelStore
+    from gpuservd.weights.int8_file import int8_path, write_int8
+
+    model_dir = ModelStore().path(model)
+    cfg = EngineConfig(model=model, num_threads=num_threads, kv_cache_bytes=64 << 20)
+    cfg.scheduler.max_prefill_tokens = max(cfg.scheduler.max_prefill_tokens, prompt_tokens)
+    cfg.scheduler.max_num_batched_tokens = max(cfg.scheduler.max_num_batched_tokens, prompt_tokens)
+    if not int8_path(model_dir).exists():
+        log("writing the INT8 copy into the store (once)")
+        write_int8(SafetensorsReader(model_dir), model_dir)
+    files = sorted(str(p) for p in model_dir.glob("*.safetensors")) + [str(int8_path(model_dir))]
+    from gpuservd.runner.model_config import load_arch
+
+    vocab = load_arch(model_dir).vocab_size
+    prompt = [3 + (100 + i * 7) % (vocab - 3) for i in range(prompt_tokens)]
+    runs: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    for rep in range(repeats):
+        for strategy in STRATEGIES:  # interleaved, so drift hits every strategy alike
+            drop_page_cache(files)
+            t0 = time.perf_counter()
+            engine, source = _engine(model, model_dir, cfg, strategy, initial_layers)
+            built = time.perf_counter() - t0
+            first = _ttft(engine, prompt) - t0
+            gate = engine.runner.weights.gate
+            if gate is not None:
+                gate.wait_all()
+            all_in = time.perf_counter() - t0
+            read = getattr(source, "bytes_read", None)
+            if read is None:
+                read = sum(Path(f).stat().st_size for f in files[:-1])
+            runs[strategy].append({"ttft_s": first, "engine_ready_s": built, "all_layers_s": all_in,
+                                   "bytes_read": read})
+            log(f"  {strategy:>13} #{rep + 1}: ttft {first:.2f} s (engine ready {built:.2f} s, all layers {all_in:.2f} s)")
+            del engine, source
+    summary = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
+    full = summary["full"]["ttft_s"]
+    for s in STRATEGIES:
+        summary[s]["speedup_vs_full"] = full / summary[s]["ttft_s"]
+    log("quality of the INT8 weights")
+    prompts = [[3 + (100 + i * 13 + j * 31) % (vocab - 3) for i in range(48)] for j in range(8)]
+    quality = int8_quality(model, model_dir, cfg, prompts, 32)
+    import torch
+
+    result = {"model": model, "prompt_tokens": prompt_tokens, "initial_layers": initial_layers, "repeats": repeats,
+              "threads": num_threads or torch.get_num_threads(), "summary": summary, "runs": runs,
+              "int8_quality": quality, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "method": "page cache dropped (posix_fadvise DONTNEED) before each run; medians over repeats"}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "result.md").write_text(_markdown(result))
+    _plot(out_dir / "cold_start.png", summary)
+    return result
+
+
+def _markdown(r: dict) -> str:
+    lines = [f"# cold start: {r['model']}, {r['prompt_tokens']}-token prompt, initial_layers {r['initial_layers']}", "",
+             "| strategy | TTFT s | engine ready s | all layers in s | bytes read MB | vs full |", "|---|---|---|---|---|---|"]
+    for s, v in r["summary"].items():
+        lines.append(f"| {s} | {v['ttft_s']:.2f} | {v['engine_ready_s']:.2f} | {v['all_layers_s']:.2f} | "
+                     f"{v['bytes_read'] / 1e6:.0f} | {v['speedup_vs_full']:.2f}x |")
+    q = r["int8_quality"]
+    lines += ["", f"INT8 against fp32 over {q['prompts']} prompts x {q['new_tokens']} greedy tokens: "
+                  f"{100 * q['greedy_token_agreement']:.1f}% of tokens agree, "
+                  f"{100 * q['greedy_identical_prefix_share']:.1f}% before the first divergence; "
+                  f"max logit difference {q['max_logit_diff']:.3f} (logits up to {q['logit_scale']:.1f}).",
+              "", f"{r['date']}, {r['threads']} threads; {r['method']}.", ""]
+    return "\n".join(lines)
+
+
+def _plot(path: Path, summary: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    names = list(summary)
+    ax.bar(names, [summary[n]["ttft_s"] for n in names], color=["#888", "#4a7", "#27a"])
+    ax.set_ylabel("cold time to first token (s)")
+    for i, n in enumerate(names):
+        ax.text(i, summary[n]["ttft_s"], f"{summary[n]['ttft_s']:.2f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
