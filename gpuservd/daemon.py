@@ -199,6 +199,7 @@ class Daemon:
         self.notifier.ready(self._status_line())
         log.info("ready: %s", self._status_line())
         self._spawn(self._watchdog())
+        self._spawn(serving.hints.run(serving))
         if self.demo:
             threading.Thread(target=self._run_demo, daemon=True).start()
         try:

@@ -3,7 +3,9 @@
 Events are dicts with a "type" ("step" for a per-step record; "preemption",
 "model_load", "model_unload", "drain", "reload", "request_finished",
 "engine_error", "swap" (a KV copy to or from the host pool), "preemption_mode" (auto mode
-switched, with its evidence), "layer_suspend" / "layer_resume", later "hint"). Publishing happens on the event
+switched, with its evidence), "layer_suspend" / "layer_resume", "hint" (a troubleshooting
+hint turned on or off), "request_prompt" (a request's prompt text: only to readers that name
+it in their types, e.g. `gpuserv record --with-prompts`). Publishing happens on the event
 loop (the engine threads post there once per step). Each reader has its own
 bounded queue: a reader that falls behind loses events rather than slowing
 the engine, and is told how many with a "dropped" event.
@@ -16,6 +18,9 @@ import time
 from collections import deque
 
 
+PRIVATE_TYPES = ("request_prompt",)  # sent only to readers that ask for the type by name
+
+
 class Subscription:
     """One reader's queue; iterate it with `async for event in sub`."""
 
@@ -26,7 +31,8 @@ class Subscription:
         self.num_dropped = 0  # events lost since the last "dropped" notice
 
     def offer(self, event: dict | None) -> None:
-        if event is not None and self.types is not None and event.get("type") not in self.types:
+        if event is not None and (event.get("type") not in self.types if self.types is not None
+                                  else event.get("type") in PRIVATE_TYPES):
             return
         try:
             self._queue.put_nowait(event)
@@ -64,12 +70,19 @@ class EventBus:
         self.num_published = 0
         self.num_dropped = 0
         self.closed = False
+        self.taps: list = []  # called with every event, synchronously (the hint monitor's window)
+
+    def wants(self, kind: str) -> bool:
+        """Does a reader ask for this (private) type by name?"""
+        return any(sub.types is not None and kind in sub.types for sub in self._subs)
 
     def publish(self, event: dict) -> None:
         """Event loop thread only."""
         self.num_published += 1
-        if event.get("type") != "step":
+        if event.get("type") not in ("step",) + PRIVATE_TYPES:
             self.recent_events.append(event)
+        for tap in self.taps:
+            tap(event)
         for sub in self._subs:
             sub.offer(event)
 

@@ -60,6 +60,10 @@ class Serving:
         self.cache = WeightCache(config.cache, config.engine.device_memory_bytes)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
+        from gpuservd.hints.monitor import HintMonitor
+
+        self.hints = HintMonitor()  # sees every event; the daemon runs its once-a-second evaluation
+        self.bus.taps.append(self.hints.observe)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -70,6 +74,7 @@ class Serving:
         for slot in self.slots.values():
             if slot.loop is not None and slot.loop.engine is not None:
                 slot.loop.call(lambda engine: engine.set_tenant_quotas(quotas))
+
     def reject(self, reason: str) -> None:
         self.num_rejected_total += 1
         if self.metrics is not None:
@@ -185,6 +190,8 @@ class Serving:
             except UserError as exc:
                 raise protocol.bad_request(str(exc), "messages" if greq.kind == "chat" else "prompt") from None
             active.num_prompt_tokens = len(ids)
+            if self.bus.wants("request_prompt"):  # `gpuserv record --with-prompts` is listening
+                self._publish_prompt(slot, greq, ctx, ids)
             params = self._sampling(greq, len(ids), slot)
             priority = ctx.tenant.effective_priority(greq.priority)
             if slot.loop is None or slot.state != "ready":
@@ -225,7 +232,9 @@ class Serving:
         event = {"type": "request_finished", "t": time.time(), "model": slot.name, "request_id": ctx.request_id,
                  "tenant": ctx.tenant.name, "uid": ctx.uid, "status": active.status,
                  "finish_reason": active.finish_reason, "num_prompt_tokens": active.num_prompt_tokens,
-                 "num_output_tokens": active.num_output_tokens, "ttft_s": ttft, "e2e_s": now - ctx.arrival}
+                 "num_output_tokens": active.num_output_tokens, "ttft_s": ttft, "e2e_s": now - ctx.arrival,
+                 "priority": ctx.tenant.effective_priority(active.greq.priority),
+                 "arrival_t": time.time() - (now - ctx.arrival)}
         self.bus.publish(event)
         if self.config.server.log_requests:
             access_log.info(
@@ -233,6 +242,13 @@ class Serving:
                 ctx.request_id, ctx.via, ctx.uid, ctx.pid, ctx.tenant.name, slot.name, active.status,
                 active.finish_reason, active.num_prompt_tokens, active.num_output_tokens,
                 f"{ttft * 1000:.1f}" if ttft is not None else "-", (now - ctx.arrival) * 1000)
+
+    def _publish_prompt(self, slot: ModelSlot, greq: GenerationRequest, ctx: RequestContext, ids: list[int]) -> None:
+        """The prompt as text (chat: the rendered template), for a recorder that asked for prompts."""
+        text = greq.prompt if isinstance(greq.prompt, str) and greq.kind == "completion" else \
+            slot.tokenizer.decode(ids, skip_special_tokens=False)
+        self.bus.publish({"type": "request_prompt", "t": time.time(), "model": slot.name,
+                          "request_id": ctx.request_id, "prompt": text})
 
     def on_post(self, deliveries: list, events: list) -> None:
         """From an engine thread, once per iteration: outputs to their requests, events to readers."""
@@ -481,6 +497,8 @@ class Serving:
                           "max_queued_per_tenant": srv.max_queued_per_tenant, "drain_timeout": srv.drain_timeout}
         data["events"] = {"subscribers": self.bus.num_subscribers, "published": self.bus.num_published,
                           "dropped": self.bus.num_dropped}
+        data["hints"] = self.hints.hints()  # active troubleshooting hints, with their evidence
+        data["hint_rules"] = self.hints.rule_status()  # per rule: fed by this daemon, or what it lacks
         return data
 
     async def requests(self) -> list[dict]:

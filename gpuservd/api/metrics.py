@@ -191,3 +191,16 @@ class _SnapshotCollector:
         dropped = CounterMetricFamily("gpuserv_events_dropped", "Events a slow /admin/events reader lost")
         dropped.add_metric([], serving.bus.num_dropped)
         yield from (draining, uptime, subs, dropped)
+        yield from _hint_gauges(serving.hints)
+
+
+def _hint_gauges(monitor):
+    """1 while a hint with this name is active (any model); `fed` 0 when this daemon has no data for the rule."""
+    active = GaugeMetricFamily("gpuserv_hint_active", "1 while a troubleshooting hint is active", labels=["name"])
+    fed = GaugeMetricFamily("gpuserv_hint_fed", "1 when the daemon feeds every input the hint rule reads",
+                            labels=["name"])
+    on = {h["name"] for h in monitor.hints()}
+    for rule in monitor.rule_status():
+        active.add_metric([rule["name"]], 1 if rule["name"] in on else 0)
+        fed.add_metric([rule["name"]], 1 if rule["fed"] else 0)
+    yield from (active, fed)

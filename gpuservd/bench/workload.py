@@ -257,6 +257,12 @@ def load_workload(path: str | Path) -> Workload:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"workload file not found: {path}")
+    if path.suffix == ".jsonl":  # a bare trace (e.g. from `gpuserv record`): replay it as recorded
+        from gpuservd.bench.record import trace_workload
+
+        wl = trace_workload(path)
+        wl._read_trace()
+        return wl
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from gpuservd.cli import daemon_cmds, remote, store_cmds, top_cmd
+from gpuservd.cli import bench_cmds, daemon_cmds, doctor_cmd, record_cmd, remote, store_cmds, top_cmd
 from gpuservd.errors import UserError
 
 app = typer.Typer(
@@ -26,6 +26,9 @@ app = typer.Typer(
 app.add_typer(store_cmds.app, name="models")
 daemon_cmds.register(app, store_cmds.app)
 top_cmd.register(app)
+app.add_typer(bench_cmds.app, name="bench")
+doctor_cmd.register(app)
+record_cmd.register(app)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
 LocalOpt = typer.Option(False, "--local", help="Run an in-process engine instead of asking the daemon.")
@@ -137,43 +140,6 @@ def chat(
         return (out.new_text for out in engine.stream(f"chat-{next(turns)}", ids, params))
 
     chat_loop(model, system, reply)
-
-
-@app.command()
-def bench(
-    workload: Path = typer.Option(..., "--workload", "-w", help="Workload file (profiles/workloads/*.yaml)."),
-    config: Optional[Path] = ConfigOpt,
-    peers: str = typer.Option("hf_static,hf_continuous", "--peers", help="Comma list of hf_static, hf_continuous, or none."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-<workload>)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the workload's model."),
-    target: str = typer.Option("inprocess", "--target", help="inprocess, or socket: the workload through the "
-                               "running daemon's HTTP socket (its own config; no peers)."),
-    socket: Optional[Path] = daemon_cmds.SocketOpt,
-    compare: Optional[list[Path]] = typer.Option(None, "--compare", help="Another engine config to run the same "
-                                                 "workload with (repeatable); reported as gpuserv[<file stem>] "
-                                                 "with ratios against --config."),
-    alone_without: Optional[str] = typer.Option(None, "--alone-without", help="Also run the workload without this "
-                                                "request class, and report the drag it puts on the others."),
-) -> None:
-    """Replay a workload on gpuserv and on transformers; write result.json, result.md and a latency CDF."""
-    if target not in ("inprocess", "socket"):
-        raise UserError(f"--target must be inprocess or socket, got {target!r}")
-    if target == "socket":
-        if config is not None or compare or alone_without:
-            raise UserError("--config, --compare and --alone-without apply to --target inprocess; "
-                            "the daemon reads its own config")
-        from gpuservd.bench.report import markdown
-
-        typer.echo(markdown(remote.bench_socket(workload, socket, out, model,
-                                                log=lambda m: typer.echo(m, err=True))))
-        return
-    from gpuservd.bench.run import parse_peers, run_bench
-
-    result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True),
-                       compare=compare, alone_without=alone_without)
-    from gpuservd.bench.report import markdown
-
-    typer.echo(markdown(result))
 
 
 def main() -> None:

@@ -1,0 +1,101 @@
+"""`gpuserv bench`: a group whose own options still run a workload (`gpuserv bench -w FILE ...`, the
+promised form), plus `gpuserv bench sweep --model M` (the batch-size sweep, S9).
+
+The group is invoked without a subcommand for the workload form, so every
+option `bench` ever took is still an option of `bench` itself; `--workload`
+is checked by hand (a subcommand does not need it) and is missing with
+click's own usage error and exit code 2, as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+
+from gpuservd.cli import daemon_cmds, remote
+from gpuservd.errors import UserError
+
+app = typer.Typer(help="Benchmarks: replay a workload (-w FILE), or `sweep` batch sizes.",
+                  invoke_without_command=True, no_args_is_help=False, add_completion=False)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
+
+
+@app.callback()
+def bench(
+    ctx: typer.Context,
+    workload: Optional[Path] = typer.Option(None, "--workload", "-w", help="Workload file (profiles/workloads/*.yaml) "
+                                            "or a trace recorded by `gpuserv record` (.jsonl)."),
+    config: Optional[Path] = ConfigOpt,
+    peers: str = typer.Option("hf_static,hf_continuous", "--peers", help="Comma list of hf_static, hf_continuous, or none."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-<workload>)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the workload's model."),
+    target: str = typer.Option("inprocess", "--target", help="inprocess, or socket: the workload through the "
+                               "running daemon's HTTP socket (its own config; no peers)."),
+    socket: Optional[Path] = daemon_cmds.SocketOpt,
+    compare: Optional[list[Path]] = typer.Option(None, "--compare", help="Another engine config to run the same "
+                                                 "workload with (repeatable); reported as gpuserv[<file stem>] "
+                                                 "with ratios against --config."),
+    alone_without: Optional[str] = typer.Option(None, "--alone-without", help="Also run the workload without this "
+                                                "request class, and report the drag it puts on the others."),
+) -> None:
+    """Replay a workload on gpuserv and on transformers; write result.json, result.md and a latency CDF."""
+    if ctx.invoked_subcommand is not None:
+        if workload is not None:
+            raise UserError(f"--workload runs a workload; it does not go with `bench {ctx.invoked_subcommand}`")
+        return
+    if workload is None:
+        param = next(p for p in ctx.command.params if p.name == "workload")
+        raise click.MissingParameter(ctx=ctx, param=param)
+    if target not in ("inprocess", "socket"):
+        raise UserError(f"--target must be inprocess or socket, got {target!r}")
+    from gpuservd.bench.report import markdown
+
+    if target == "socket":
+        if config is not None or compare or alone_without:
+            raise UserError("--config, --compare and --alone-without apply to --target inprocess; "
+                            "the daemon reads its own config")
+        typer.echo(markdown(remote.bench_socket(workload, socket, out, model,
+                                                log=lambda m: typer.echo(m, err=True))))
+        return
+    from gpuservd.bench.run import parse_peers, run_bench
+
+    result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True),
+                       compare=compare, alone_without=alone_without)
+    typer.echo(markdown(result))
+
+
+def _batches(value: str) -> list[int]:
+    try:
+        batches = sorted({int(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--batches must be a comma list of integers, got {value!r}") from None
+    if not batches or batches[0] < 1:
+        raise UserError(f"--batches must be integers >= 1, got {value!r}")
+    return batches
+
+
+@app.command()
+def sweep(
+    model: str = typer.Option("smollm2", "--model", "-m", help="Model name in the store."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Engine config YAML (dtype, threads, KV)."),
+    batches: str = typer.Option(",".join(map(str, (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128))), "--batches",
+                                help="Decode batch sizes to measure (comma list)."),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", min=1, help="Prompt length of each decoding sequence."),
+    prefill_chunk: int = typer.Option(256, "--prefill-chunk", min=1, help="Prefill tokens riding in every step "
+                                      "of the prefill-heavy curve."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Steps timed per point (the median is kept)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-sweep-<model>)."),
+) -> None:
+    """Decode throughput by batch size: find the plateau and recommend max_num_seqs (decode- and prefill-heavy)."""
+    from gpuservd.bench.sweep import markdown, run_sweep
+
+    try:
+        result = run_sweep(model, config, _batches(batches), prompt_tokens, prefill_chunk, steps, out,
+                           log=lambda m: typer.echo(m, err=True))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    typer.echo(markdown(result))

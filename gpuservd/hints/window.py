@@ -1,0 +1,58 @@
+"""What a rule looks at: a sliding window of step records, events and device readings.
+
+Everything is plain dicts, exactly as the daemon publishes them on
+/admin/events (`StepRecord.to_dict()`, `request_finished`, `preemption`, ...),
+so a test builds a window by hand and the daemon builds it from its own stream.
+No torch here: the CLI and doctor import this package too.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from gpuservd.engine.preemption import percentile
+
+
+@dataclass
+class Window:
+    """One evaluation's view of the recent past (times are wall-clock, time.time())."""
+
+    now: float  # when the window ends
+    steps: dict[str, list[dict]] = field(default_factory=dict)  # model -> step records, oldest first
+    events: list[dict] = field(default_factory=list)  # non-step events, oldest first (each has "type", "t")
+    readings: list[dict] = field(default_factory=list)  # samples of status.device.readings, each with "t"
+    models: dict[str, dict] = field(default_factory=dict)  # model -> settings: max_num_seqs, preemption, class
+    weight_cache: list[dict] = field(default_factory=list)  # samples of status.weight_cache, each with "t"
+    sweeps: dict[str, dict] = field(default_factory=dict)  # model -> latest `gpuserv bench sweep` result
+
+    def recent_steps(self, model: str, span_s: float) -> list[dict]:
+        """The model's step records that ended within the last span_s seconds."""
+        since = self.now - span_s
+        return [s for s in self.steps.get(model, ()) if s["t"] >= since]
+
+    def recent_events(self, kinds: str | tuple[str, ...], span_s: float, model: str | None = None) -> list[dict]:
+        """Events of these types within the last span_s seconds (of one model when given)."""
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        since = self.now - span_s
+        return [e for e in self.events if e.get("type") in kinds and e.get("t", 0) >= since
+                and (model is None or e.get("model") == model)]
+
+    def recent_readings(self, span_s: float) -> list[dict]:
+        since = self.now - span_s
+        return [r for r in self.readings if r.get("t", 0) >= since]
+
+
+def pct(values, q: float) -> float:
+    """Nearest-rank percentile of unsorted values (the engine's auto mode uses the same)."""
+    return percentile(sorted(values), q)
+
+
+def mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0
+
+
+def r3(x: float) -> float:
+    """Evidence numbers are rounded so that a hint reads well and compares stably."""
+    return round(float(x), 3)
