@@ -135,12 +135,12 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "result.md").write_text(_markdown(result))
+    (out_dir / "result.md").write_text(markdown(result))
     _plot(out_dir / "cold_start.png", summary)
     return result
 
 
-def _markdown(r: dict) -> str:
+def markdown(r: dict) -> str:
     lines = [f"# cold start: {r['model']}, {r['prompt_tokens']}-token prompt, initial_layers {r['initial_layers']}", "",
              "| strategy | TTFT s | engine ready s | all layers in s | bytes read MB | vs full |", "|---|---|---|---|---|---|"]
     for s, v in r["summary"].items():

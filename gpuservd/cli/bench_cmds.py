@@ -99,3 +99,23 @@ def sweep(
     except ValueError as exc:
         raise UserError(str(exc)) from None
     typer.echo(markdown(result))
+
+
+@app.command("cold-start")
+def cold_start(
+    model: str = typer.Option("smollm2", "--model", "-m", help="Model name in the store."),
+    prompt_tokens: int = typer.Option(256, "--prompt-tokens", min=1, help="Prompt length of the first request."),
+    initial_layers: int = typer.Option(8, "--initial-layers", min=1, help="Layers a layered load waits for."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Runs per strategy (interleaved; medians reported)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cold-<model>)."),
+) -> None:
+    """Cold time to first token from disk: full vs layered vs layered + INT8 (M4, M5), and INT8 quality."""
+    import time
+
+    from gpuservd.bench.cold import markdown, run_cold_start
+
+    out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-cold-{model}"
+    result = run_cold_start(model, out, prompt_tokens, initial_layers, repeats, threads,
+                            log=lambda m: typer.echo(m, err=True))
+    typer.echo(markdown(result))
