@@ -60,6 +60,10 @@ class Serving:
         self.cache = WeightCache(config.cache, config.engine.device_memory_bytes)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
+        from gpuservd.weights.prefetch import PrefetchStats, Predictor
+
+        self.predictor = Predictor(min_prob=config.cache.prefetch_min_prob)
+        self.prefetch_stats = PrefetchStats()
         from gpuservd.hints.monitor import HintMonitor
 
         self.hints = HintMonitor()  # sees every event; the daemon runs its once-a-second evaluation
@@ -142,6 +146,14 @@ class Serving:
         slot = self.slots.get(name)
         on_device = slot is not None and slot.state == "ready"
         self.cache.touch(name)
+        if name in self.prefetch_stats.pending:  # its load was started ahead of this request
+            warmed = slot is not None and slot.state in ("ready", "loading")
+            self.prefetch_stats.pending.discard(name)
+            self.prefetch_stats.used += warmed
+            self.prefetch_stats.wasted += not warmed
+        self.predictor.observe(name)
+        if cc.prefetch and self.state != "draining":
+            self._prefetch_after(name)
         if on_device or self.state == "draining":
             return
         if slot is None or slot.state == "failed":
@@ -162,6 +174,28 @@ class Serving:
         except asyncio.TimeoutError:
             raise protocol.unavailable(f"model {name} is still loading after {cc.load_timeout_s:.0f} s; "
                                        "retry shortly", "model_loading", 5) from None
+
+    def _prefetch_after(self, name: str) -> None:
+        """Warm the models likely to be asked for next (M3) when the device can take them without
+        evicting anything busy or more likely to be used soon."""
+        from gpuservd.store.store import ModelStore
+
+        in_store = set(ModelStore().names())
+        for nxt, p in self.predictor.next_models(name):
+            if nxt in self.slots or nxt not in in_store or nxt in self._load_tasks and not self._load_tasks[nxt].done():
+                continue
+            busy = {n for n, s in self.slots.items() if s.num_in_flight or s.state != "ready"} | {name}
+            try:
+                evict = self.cache.plan_device_load(nxt, self._weight_bytes(nxt), busy)
+            except Exception:  # no room, or an unreadable model: no prefetch
+                continue
+            if any(self.predictor.value(e) >= p for e in evict):
+                continue
+            self.prefetch_stats.issued += 1
+            self.prefetch_stats.pending.add(nxt)
+            log.info("prefetching model %s (follows %s with p=%.2f)", nxt, name, p)
+            self.bus.publish({"type": "prefetch", "t": time.time(), "model": nxt, "after": name, "probability": p})
+            self._load_tasks[nxt] = asyncio.ensure_future(self._load_quietly(nxt))
 
     async def _load_quietly(self, name: str) -> None:
         try:
@@ -343,16 +377,24 @@ class Serving:
 
     async def _make_room(self, name: str, model_dir, cfg) -> None:
         """Evict least recently used idle models until `name` fits the device tier (M7)."""
-        from gpuservd.runner.model_runner import DTYPES
-        from gpuservd.runner.weights import SafetensorsReader, expected_bytes
-
-        need = await asyncio.to_thread(lambda: expected_bytes(SafetensorsReader(model_dir), DTYPES[cfg.dtype]))
+        need = await asyncio.to_thread(self._weight_bytes, name)
         busy = {n for n, s in self.slots.items() if n != name and (s.num_in_flight or s.state != "ready")}
         for victim in self.cache.plan_device_load(name, need, busy):
             log.info("evicting model %s from the device to make room for %s", victim, name)
+            if victim in self.prefetch_stats.pending:
+                self.prefetch_stats.pending.discard(victim)
+                self.prefetch_stats.wasted += 1
             self.bus.publish({"type": "model_evict", "t": time.time(), "model": victim, "for": name,
                               "to_tier": "host" if self.cache.residency(victim)["host"] else "disk"})
             await self.unload(victim, timeout=0)
+
+    def _weight_bytes(self, name: str) -> int:
+        """Weight bytes a model will take on the device (from its files' headers; nothing is read)."""
+        from gpuservd.runner.model_runner import DTYPES
+        from gpuservd.runner.weights import SafetensorsReader, expected_bytes
+        from gpuservd.store.store import ModelStore
+
+        return expected_bytes(SafetensorsReader(ModelStore().path(name)), DTYPES[self.config.engine.dtype])
 
     def _weight_source(self, name: str, model_dir):
         """(tensor source, tier name) for a load: the host copy, else the store (its INT8 file under
@@ -490,6 +532,7 @@ class Serving:
             num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total)
         data = asdict(st)
         data["weight_cache"] = self.cache.status()
+        data["weight_cache"]["prefetch"] = {"enabled": self.config.cache.prefetch, **self.prefetch_stats.to_dict()}
         data["tenants"] = {name: {"queued": self.tenant_queued.get(name, 0),
                                   "in_flight": self.tenant_in_flight.get(name, 0)} for name in self.tenants.names()}
         srv = self.config.server

@@ -94,3 +94,24 @@ def test_model_too_big_for_the_device_tier(tmp_path, tiny_model_dir):
         assert "needs" in r.json()["error"]["message"] and "device tier holds 0.0 MB" in r.json()["error"]["message"]
     finally:
         d.stop()
+
+
+def test_prefetch_warms_the_model_that_usually_follows(tmp_path, tiny_model_dir):
+    home = make_home(tmp_path, tiny_model_dir, names=("a", "b", "c"))
+    d = DaemonProcess(tmp_path, home, config={"server": {"models": []},
+                                              "cache": {"cache_size": 2, "prefetch": True, "host_bytes": 0}})
+    try:
+        d.wait_ready()
+        for name in ["a", "b", "a", "b", "c", "a"]:  # learns a -> b; b ends up evicted
+            assert ask(d, name).status_code == 200
+        assert {m["name"] for m in d.status()["models"]} == {"a", "c"}
+        assert ask(d, "a").status_code == 200  # b follows a: warmed without being asked for, c leaves
+        wait_until(lambda: (model(d, "b") or {}).get("state") == "ready", 30, what="b prefetched")
+        pf = d.status()["weight_cache"]["prefetch"]
+        assert pf["enabled"] and pf["issued"] >= 1
+        assert ask(d, "b").status_code == 200
+        pf = d.status()["weight_cache"]["prefetch"]
+        assert pf["used"] >= 1 and pf["accuracy"] > 0
+        assert "prefetching model b (follows a" in d.log
+    finally:
+        d.stop()

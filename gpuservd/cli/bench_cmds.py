@@ -119,3 +119,19 @@ def cold_start(
     result = run_cold_start(model, out, prompt_tokens, initial_layers, repeats, threads,
                             log=lambda m: typer.echo(m, err=True))
     typer.echo(markdown(result))
+
+
+@app.command("cache-trace")
+def cache_trace(
+    sizes: str = typer.Option("3,5,10,15", "--sizes", help="Device cache sizes (models) to replay (comma list)."),
+    requests: int = typer.Option(6000, "--requests", min=100, help="Requests in the trace."),
+    seed: int = typer.Option(0, "--seed", help="Trace seed."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cache-trace)."),
+) -> None:
+    """Weight-cache hit rate on a 32-model trace: LRU, LRU + prefetch and Belady's optimum (M3, M9)."""
+    import time
+
+    from gpuservd.bench.cache_trace import markdown, run_cache_trace
+
+    out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-cache-trace"
+    typer.echo(markdown(run_cache_trace(out, _batches(sizes), requests, seed)))

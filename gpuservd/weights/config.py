@@ -22,7 +22,8 @@ class CacheConfig:
     load_on_demand: bool = True  # a request for a store model that is not loaded loads it
     load_timeout_s: float = 300.0  # a request waits this long for its model's load
     hit_rate_alert: float = 0.9  # below this device-tier hit rate an event suggests a bigger cache
-    prefetch: bool = False  # warm the tiers ahead of demand (M3): not in this version yet, refused
+    prefetch: bool = False  # warm the device tier ahead of demand from learned model-to-model transitions (M3)
+    prefetch_min_prob: float = 0.2  # prefetch a model only when it follows the current one this often
 
     def validate(self) -> None:
         if self.cache_policy != "lru":
@@ -37,8 +38,6 @@ class CacheConfig:
             raise UserError("cache.host_bytes must be >= 0 and cache.device_bytes >= 1")
         if not 0.0 <= self.hit_rate_alert <= 1.0:
             raise UserError(f"cache.hit_rate_alert must be in [0, 1], got {self.hit_rate_alert}")
-        if self.prefetch:
-            raise UserError("cache.prefetch is not available in this version yet; set prefetch: false")
         if self.keep_alive_s < 0 or self.load_timeout_s <= 0:
             raise UserError("cache.keep_alive_s must be >= 0 and cache.load_timeout_s > 0")
 

@@ -1,0 +1,73 @@
+"""Prefetch (M3): predict the next model from the request history and warm it ahead of demand.
+
+The predictor keeps, per model, decayed counts of which model was asked for
+next (transitions) and a decayed request rate. After a request for A, the
+models most likely to follow A (probability >= `min_prob`) are warmed: into
+the device tier when it has room or holds an idle model that is less likely to
+be used soon, else into the host tier. Accuracy = prefetches that served a
+request before they were evicted / prefetches issued.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefetchStats:
+    issued: int = 0  # models warmed ahead of demand
+    used: int = 0  # ... that a request then found resident
+    wasted: int = 0  # ... evicted before any request used them
+    pending: set = field(default_factory=set)  # warmed and not yet used nor evicted
+
+    @property
+    def accuracy(self) -> float | None:
+        done = self.used + self.wasted
+        return self.used / done if done else None
+
+    def to_dict(self) -> dict:
+        return {"issued": self.issued, "used": self.used, "wasted": self.wasted, "accuracy": self.accuracy}
+
+
+class Predictor:
+    """Next-model probabilities from decayed transition counts."""
+
+    def __init__(self, decay: float = 0.995, min_prob: float = 0.2):
+        self.decay = decay  # per observation, on the row being updated: old habits fade
+        self.min_prob = min_prob
+        self.trans: dict[str, dict[str, float]] = {}
+        self.rate: dict[str, float] = {}
+        self.last: str | None = None
+        self._lock = threading.Lock()
+
+    def observe(self, model: str) -> None:
+        with self._lock:
+            for m in self.rate:
+                self.rate[m] *= self.decay
+            self.rate[model] = self.rate.get(model, 0.0) + 1.0
+            if self.last is not None and self.last != model:  # a switch: repeats say nothing about what follows
+                row = self.trans.setdefault(self.last, {})
+                for m in row:
+                    row[m] *= self.decay
+                row[model] = row.get(model, 0.0) + 1.0
+            self.last = model
+
+    def next_models(self, model: str | None = None, k: int = 2) -> list[tuple[str, float]]:
+        """Up to k (model, probability) likely to be switched to from `model` (default: the last one)."""
+        with self._lock:
+            row = self.trans.get(model if model is not None else self.last) or {}
+            total = sum(row.values())
+            if not total:
+                return []
+            ranked = sorted(((m, c / total) for m, c in row.items()), key=lambda x: -x[1])
+            return [(m, p) for m, p in ranked[:k] if p >= self.min_prob]
+
+    def value(self, model: str) -> float:
+        """How soon `model` is likely to be needed: its probability after the last model, plus a small
+        share of its recent rate (what an eviction for a prefetch weighs)."""
+        with self._lock:
+            row = self.trans.get(self.last) or {}
+            total = sum(row.values()) or 1.0
+            rates = sum(self.rate.values()) or 1.0
+            return row.get(model, 0.0) / total + 0.1 * self.rate.get(model, 0.0) / rates

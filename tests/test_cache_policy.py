@@ -1,0 +1,58 @@
+"""The weight cache's eviction and prefetch policy on traces (no models loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuservd.errors import UserError
+from gpuservd.weights.cache import CacheFull, WeightCache
+from gpuservd.weights.config import CacheConfig
+from gpuservd.weights.prefetch import Predictor
+from gpuservd.weights.trace_sim import belady, make_trace, replay
+
+
+def test_belady_on_a_hand_trace():
+    # cache 2: a b c a b c -> misses a, b, c(evict the later-used b? next uses: a@3, b@4 -> evict b), a hit, b miss, c hit
+    assert belady(list("abcabc"), 2)["hits"] == 2
+
+
+def test_lru_eviction_respects_pinned_busy_and_keep_alive():
+    c = WeightCache(CacheConfig(cache_size=2, keep_alive_s=100.0), device_budget=1000)
+    c.device_loaded("a", 100, pinned=True)
+    c.device_loaded("b", 100)
+    c.device["b"].last_used -= 1000  # idle for long
+    assert c.plan_device_load("c", 100, busy=set()) == ["b"]
+    with pytest.raises(CacheFull, match="pinned, busy or kept alive"):
+        c.plan_device_load("c", 100, busy={"b"})
+    c.device["b"].last_used += 1000  # used just now: kept alive
+    with pytest.raises(CacheFull):
+        c.plan_device_load("c", 100, busy=set())
+    with pytest.raises(UserError, match="needs 0.0 MB of weights but the device tier holds 0.0 MB"):
+        c.plan_device_load("huge", 2000, busy=set())
+
+
+def test_byte_budget_evicts_until_it_fits():
+    c = WeightCache(CacheConfig(cache_size=10), device_budget=1000)
+    for m, t in (("a", 1), ("b", 2), ("c", 3)):
+        c.device_loaded(m, 300)
+        c.device[m].last_used = t
+    assert c.plan_device_load("d", 500, busy=set()) == ["a", "b"]  # least recently used first, until 500 fit
+
+
+def test_predictor_learns_switches_not_repeats():
+    p = Predictor(min_prob=0.2)
+    for m in ["a", "a", "b", "a", "a", "b", "a", "c"]:
+        p.observe(m)
+    nxt = dict(p.next_models("a"))
+    assert set(nxt) == {"b", "c"} and nxt["b"] > nxt["c"] and "a" not in nxt
+
+
+def test_trace_hit_rates_order_and_prefetch_helps():
+    trace, meta = make_trace(num_requests=3000)
+    assert meta["models"] == 32 and 0.7 < meta["top10_share"] < 0.9
+    for k in (3, 10):
+        lru, pre, opt = replay(trace, k, False), replay(trace, k, True), belady(trace, k)
+        assert lru["hit_rate"] <= opt["hit_rate"]  # nothing beats the offline optimum of demand caching
+        assert pre["hit_rate"] > lru["hit_rate"]  # the workflows are learnable
+        s = pre["prefetch_stats"]
+        assert s["issued"] >= s["used"] + s["wasted"] and 0 < s["accuracy"] <= 1
