@@ -53,6 +53,24 @@ def _ttft(engine, prompt: list[int]) -> float:
                 return time.perf_counter()
 
 
+QUALITY_TEXTS = [
+    "The capital of France is", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
+    "List three prime numbers:", "The quick brown fox", "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.", "Once upon a time, in a small village,",
+]
+
+
+def _quality_prompts(model_dir: Path, vocab: int) -> list[list[int]]:
+    """Natural-language prompts through the model's own tokenizer (random ids when it has none)."""
+    try:
+        from gpuservd.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+        return [tok.encode(t) for t in QUALITY_TEXTS]
+    except Exception:
+        return [[3 + (100 + i * 13 + j * 31) % (vocab - 3) for i in range(48)] for j in range(8)]
+
+
 def int8_quality(model: str, model_dir: Path, cfg, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy agreement and max |logit difference| of the INT8 weights against fp32."""
     import torch
@@ -124,8 +142,7 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
     for s in STRATEGIES:
         summary[s]["speedup_vs_full"] = full / summary[s]["ttft_s"]
     log("quality of the INT8 weights")
-    prompts = [[3 + (100 + i * 13 + j * 31) % (vocab - 3) for i in range(48)] for j in range(8)]
-    quality = int8_quality(model, model_dir, cfg, prompts, 32)
+    quality = int8_quality(model, model_dir, cfg, _quality_prompts(model_dir, vocab), 32)
     import torch
 
     result = {"model": model, "prompt_tokens": prompt_tokens, "initial_layers": initial_layers, "repeats": repeats,
