@@ -214,7 +214,7 @@ def render_md(result: dict) -> str:
     build = "loaded from the cache" if build_s is None else f"built in {build_s:.1f} s"
     md = ["# C++ CPU kernels vs torch paths (same process, alternating, medians)", "",
           f"{result['when']}, {result['machine']}, torch {result['torch']}. Kernels: {build}.", "",
-          NOTES, "",
+          NOTES, "", *[f"- {n}" for n in result.get("notes", [])], *([""] if result.get("notes") else []),
           "## Decode attention, one layer call (SmolLM2 shape, fp32)", "",
           "Per call, averaged over the layers cycled; wall = 2 threads, wall clock; cpu = 1 thread, process CPU time.", "",
           "| threads / clock | batch | context | kernel us | gather + SDPA us | speedup |", "|---|---|---|---|---|---|"]
