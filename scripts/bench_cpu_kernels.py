@@ -194,27 +194,11 @@ ratio. Attention cases cycle over separate per-layer caches, so KV comes from DR
 
 def render_md(result: dict) -> str:
     attn, steps = result["attention"]["per_layer_call"], result["decode_step"]["cases"]
-    build = result["kernel_build"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "result.md").write_text(render_md(result))
-
-
-NOTES = """Notes: kernels = `paged_decode` (no gather copy) plus the fused layer ops; torch = the gather +
-SDPA decode path and the torch layer ops, in the same process. The machine (2 cores) was shared with
-other jobs while this ran, load average 3-4: two-thread wall times then depend on when the OS runs our
-second thread, and swing by 2x or more between neighbouring cases (a parallel region waits for its slowest
-thread). The one-thread rows use process CPU time, which descheduling does not inflate; read those for the
-ratio. Attention cases cycle over separate per-layer caches, so KV comes from DRAM as in a model step."""
-
-
-def render_md(result: dict) -> str:
-    attn, steps = result["attention"]["per_layer_call"], result["decode_step"]["cases"]
     build_s = result["kernel_build"]["build_s"]
     build = "loaded from the cache" if build_s is None else f"built in {build_s:.1f} s"
     md = ["# C++ CPU kernels vs torch paths (same process, alternating, medians)", "",
           f"{result['when']}, {result['machine']}, torch {result['torch']}. Kernels: {build}.", "",
-          NOTES, "",
+          NOTES, "", *[f"- {n}" for n in result.get("notes", [])], *([""] if result.get("notes") else []),
           "## Decode attention, one layer call (SmolLM2 shape, fp32)", "",
           "Per call, averaged over the layers cycled; wall = 2 threads, wall clock; cpu = 1 thread, process CPU time.", "",
           "| threads / clock | batch | context | kernel us | gather + SDPA us | speedup |", "|---|---|---|---|---|---|"]

@@ -50,6 +50,7 @@ CASES = {
     "gqa-8-per-kv": dict(lens=LENS, heads=16, kv_heads=2, head_dim=128, block_size=8),
     "mqa": dict(lens=LENS, heads=6, kv_heads=1, head_dim=64, block_size=16),
     "odd-head-dim-scalar-path": dict(lens=LENS, heads=6, kv_heads=2, head_dim=12, block_size=4),
+    "group-10-generic-path": dict(lens=LENS, heads=10, kv_heads=1, head_dim=64, block_size=16),
     "block-size-1": dict(lens=[1, 2, 7], heads=4, kv_heads=2, head_dim=16, block_size=1),
     # Past one 256-token partition: the partial softmaxes are combined (512 = exactly two partitions).
     "long-partitions": dict(lens=[1000, 256, 512, 257, 3, 770], heads=9, kv_heads=3, head_dim=64, block_size=16),

@@ -1,0 +1,151 @@
+"""Hints end to end against the real daemon, with a workload that really causes the conditions.
+
+One daemon, preemption off, a KV pool of 80 blocks (320 tokens): 24 short requests (4 tokens out) and
+16 long ones (120 out) at once. The lengths are skewed (P99/P50 = 30, S7), the long ones do not fit
+together so the pool stays full with a queue behind it (quota), and recompute preemptions hit the
+same requests again and again (starvation). Meanwhile `gpuserv record` captures the traffic, and the
+trace is replayed by `gpuserv bench -w`; `gpuserv doctor` lists the hints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from daemon_harness import ROOT, DaemonProcess, make_home, wait_until
+from test_cli import invoke
+
+NUM_SHORT, NUM_LONG, LONG = 24, 16, 120
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir):
+    """The daemon after the workload: (daemon, hint events seen, recorded trace path, responses)."""
+    tmp = tmp_path_factory.mktemp("hints-daemon")
+    home = make_home(tmp, tiny_model_dir)
+    d = DaemonProcess(tmp, home, config={"engine": {"kv_cache_bytes": "240KiB"}, "preemption": {"mode": "off"},
+                                         "scheduler": {"max_num_seqs": 16}})
+    try:
+        d.wait_ready(300)
+        hints: list[dict] = []
+
+        def read_hints():
+            with d.http(timeout=None) as c, c.stream("GET", "/admin/events", params={"types": "hint"}) as r:
+                for line in r.iter_lines():
+                    hints.append(json.loads(line))
+
+        threading.Thread(target=read_hints, daemon=True).start()
+        trace = tmp / "trace.jsonl"
+        env = {**os.environ, "GPUSERV_SOCKET": str(d.socket)}
+        rec = subprocess.Popen([sys.executable, "-m", "gpuservd.cli.main", "record", "--out", str(trace)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "recording to" in rec.stderr.readline()
+        codes = []
+
+        def send(max_tokens):
+            with d.http(timeout=600) as c:
+                r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello there friend",
+                                                    "max_tokens": max_tokens, "ignore_eos": True,
+                                                    "priority": 0})
+                codes.append(r.status_code)
+
+        senders = [threading.Thread(target=send, args=(n,)) for n in [4] * NUM_SHORT + [LONG] * NUM_LONG]
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join(600)
+        wait_until(lambda: sum(1 for _ in trace.open()) >= NUM_SHORT + NUM_LONG, 30, what="the trace")
+        rec.send_signal(signal.SIGINT)
+        out, _ = rec.communicate(timeout=30)
+        assert rec.returncode == 0, out
+        yield d, hints, trace, codes, out, home
+    finally:
+        d.stop()
+
+
+def active(d) -> dict:
+    return {h["name"]: h for h in d.status()["hints"]}
+
+
+def test_workload_fires_s7_quota_and_starvation_rules(run):
+    d, hints, _, codes, _, _ = run
+    assert codes.count(200) == NUM_SHORT + NUM_LONG
+    want = {"preemption_off_skewed", "kv_quota_small", "starvation"}
+    wait_until(lambda: want <= set(active(d)), 30, interval=0.2, what=f"hints {want}")
+    # The evidence is refreshed every evaluation: wait for one that saw every request finish.
+    wait_until(lambda: active(d)["preemption_off_skewed"]["evidence"]["num_requests"] == NUM_SHORT + NUM_LONG,
+               30, interval=0.2, what="an evaluation after the last request")
+    now = active(d)
+    s7 = now["preemption_off_skewed"]["evidence"]
+    assert s7["output_p50"] == 4 and s7["output_p99"] == LONG and s7["ratio"] == LONG / 4
+    assert s7["num_requests"] == NUM_SHORT + NUM_LONG and s7["mode"] == "off"
+    kv = now["kv_quota_small"]["evidence"]
+    assert kv["kv_blocks_total"] == 80 and kv["waiting_mean"] >= 4 and kv["full_steps_share"] >= 0.5
+    assert kv["kv_blocks_wanted"] > 80 and kv["scale"] > 1
+    st = now["starvation"]["evidence"]
+    assert st["num_preemptions"] >= 3 and st["request_id"].startswith("cmpl-") and st["victim_policy"] == "progress"
+    for h in now.values():
+        assert h["model"] == "tiny" and h["active"] and h["symptom"] and h["cause"] and h["action"]
+    hints = [e for e in hints if e["type"] == "hint"]
+    on = {e["name"] for e in hints if e["active"]}
+    assert want <= on  # the event stream announced each activation, with its evidence
+    assert all(e["evidence"] for e in hints)
+
+
+def test_status_and_metrics_say_which_rules_have_no_data_here(run):
+    d = run[0]
+    rules = {r["name"]: r for r in d.status()["hint_rules"]}
+    assert len(rules) == 12
+    for name in ("bandwidth_bound", "device_errors", "timeslice_overhead", "cache_hit_rate_low", "load_after_evict",
+                 "sharing_contention", "batch_past_plateau"):
+        assert not rules[name]["fed"] and rules[name]["missing"], name
+    assert rules["kv_quota_small"]["fed"] and rules["preemption_off_skewed"]["fed"]
+    wait_until(lambda: "kv_quota_small" in active(d), 30, what="kv hint")
+    with d.http() as c:
+        text = c.get("/metrics").text
+    assert 'gpuserv_hint_active{name="kv_quota_small"} 1.0' in text
+    assert 'gpuserv_hint_active{name="device_errors"} 0.0' in text
+    assert 'gpuserv_hint_fed{name="bandwidth_bound"} 0.0' in text
+
+
+def test_record_captures_the_traffic_as_a_trace(run):
+    _, _, trace, _, out, _ = run
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len(lines) == NUM_SHORT + NUM_LONG and f"{len(lines)} requests recorded" in out
+    assert sorted(x["output_tokens"] for x in lines) == [4] * NUM_SHORT + [LONG] * NUM_LONG
+    for x in lines:
+        assert set(x) == {"t", "model", "prompt_tokens", "output_tokens", "priority", "tenant"}  # no prompt text
+        assert x["model"] == "tiny" and x["prompt_tokens"] >= 1 and x["priority"] == 0 and x["t"] >= 0
+    assert max(x["t"] for x in lines) < 30  # one burst
+
+
+def test_recorded_trace_replays_with_bench(run, tmp_path, monkeypatch, capsys):
+    trace, home = run[2], run[5]
+    monkeypatch.setenv("GPUSERV_HOME", str(home))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("engine:\n  kv_cache_bytes: 4MiB\n  block_size: 4\n  num_threads: 1\n")
+    out = tmp_path / "out"
+    assert invoke("bench", "-w", str(trace), "--config", str(cfg), "--peers", "none", "--out", str(out)) == 0
+    g = json.loads((out / "result.json").read_text())["systems"]["gpuserv"]
+    assert g["num_requests"] == NUM_SHORT + NUM_LONG
+    assert g["generated_tokens"] == NUM_SHORT * 4 + NUM_LONG * LONG
+
+
+def test_doctor_lists_the_live_hints(run, capsys):
+    d = run[0]
+    wait_until(lambda: "kv_quota_small" in active(d), 30, what="kv hint")
+    code = invoke("doctor", "--json", "--socket", str(d.socket))
+    report = json.loads(capsys.readouterr().out)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["daemon"]["status"] == "ok" and checks["socket"]["status"] == "ok"
+    assert checks["hint:kv_quota_small"]["status"] == "warn"
+    assert checks["hint:kv_quota_small"]["detail"]["kv_blocks_total"] == 80
+    assert "bandwidth_bound" in checks["hint_rules"]["detail"]["unfed"]
+    assert {h["name"] for h in report["hints"]} >= {"kv_quota_small"}
+    assert code == report["exit_code"] == 1  # warnings (no GPU here, active hints), nothing critical
