@@ -7,7 +7,7 @@ only when the state changed, so the console stays light over a slow SSH link.
 
 from __future__ import annotations
 
-from textual.app import App
+from textual.app import App, ScreenStackError
 from textual.binding import Binding
 
 from gpuservd.errors import UserError
@@ -65,7 +65,10 @@ class ConsoleApp(App):
 
     def tick(self) -> None:
         """The only place that redraws on data: once per interval, when something changed."""
-        screen = self.screen
+        try:
+            screen = self.screen
+        except ScreenStackError:  # the timer can fire while a mode switch or the shutdown empties the stack
+            return
         if self.state.version == self._drawn_version or not isinstance(screen, ConsoleScreen):
             return
         self._drawn_version = self.state.version

@@ -15,8 +15,15 @@ import pytest
 
 from console.app import ConsoleApp
 
-STREAM = Path(__file__).parent / "console_fixtures" / "stream.ndjson"
+# Relative to the tests folder (each test runs there): the header shows the replayed file, and an
+# absolute path would tie the snapshots to one checkout's location.
+STREAM = Path("console_fixtures") / "stream.ndjson"
 SIZES = [(80, 24), (160, 48)]
+
+
+@pytest.fixture(autouse=True)
+def in_tests_dir(monkeypatch):
+    monkeypatch.chdir(Path(__file__).parent)
 
 
 def settled(*keys: str):
