@@ -124,7 +124,10 @@ class HintMonitor:
         """One evaluation against a running Serving: sample its status, run the rules, publish changes."""
         now = time.time()
         status = serving.status()
-        self.sample(now, (status.get("device") or {}).get("readings"), status.get("weight_cache"))
+        cache = status.get("weight_cache")
+        alert = getattr(getattr(serving.config, "cache", None), "hit_rate_alert", None)
+        self.sample(now, (status.get("device") or {}).get("readings"),
+                    {**cache, "hit_rate_alert": alert} if cache and alert is not None else cache)
         models = {}
         for m in status.get("models", []):
             slot = serving.slots.get(m["name"])
