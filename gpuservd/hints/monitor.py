@@ -33,7 +33,7 @@ class HintMonitor:
     """A sliding window over the daemon's events plus the rules' verdicts."""
 
     def __init__(self, rules: list[Rule] | None = None, thresholds: Thresholds | None = None,
-                 max_steps: int = 8192, max_events: int = 20000, period_s: float = 1.0):
+                 max_steps: int = 4096, max_events: int = 20000, period_s: float = 1.0):
         self.rules = list(rules or ALL_RULES)
         self.th = thresholds or Thresholds()
         self.period_s = period_s  # evaluation period in the daemon
