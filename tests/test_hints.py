@@ -227,7 +227,9 @@ def test_sharing_contention_quiet():
 # ---- weight-cache rules -------------------------------------------------------------------------------
 
 def cache(t, hits, misses):
-    return {"t": t, "hit_rate_alert": 0.9, "cache_size": 1, "tiers": {"device": {"hits": hits, "misses": misses}}}
+    """status.weight_cache as weights/cache.py reports it, plus the config's alert (added by the monitor)."""
+    return {"t": t, "hit_rate_alert": 0.9, "device": {"cache_size": 1, "models": ["a"]},
+            "hits": {"device": hits, "host": 0}, "misses": {"device": misses, "host": 0}}
 
 
 def cyclic_trace(n=40):
@@ -257,7 +259,8 @@ def test_cache_hit_rate_low_quiet():
 
 
 def evict_then_burst(unload_reason="evicted", load_at=NOW - 80):
-    return ([{"type": "model_unload", "t": NOW - 100, "model": "x", "reason": unload_reason}]
+    kind = "model_evict" if unload_reason == "evicted" else "model_unload"  # the weight cache's event
+    return ([{"type": kind, "t": NOW - 100, "model": "x", "for": "y", "reason": unload_reason}]
             + [finished(load_at + 5, 4, model="x", arrival_t=load_at - 5 + i) for i in range(5)]
             + [{"type": "model_load", "t": load_at, "model": "x", "phase": "start"}])
 
@@ -299,7 +302,7 @@ def test_monitor_reports_unfed_rules_and_survives_a_broken_rule():
     mon = HintMonitor()
     fed = {r["name"]: r for r in mon.rule_status()}
     for name in ("bandwidth_bound", "device_errors", "timeslice_overhead", "cache_hit_rate_low", "load_after_evict"):
-        assert not fed[name]["fed"] and fed[name]["missing"]
+        assert not fed[name]["fed"] and fed[name]["missing"]  # until a window holds their data
     for name in ("preemption_off_skewed", "starvation", "swap_thrash", "kv_quota_small", "scheduler_overhead"):
         assert fed[name]["fed"]
     mon.rules[0].check, saved = (lambda w, m, th: 1 / 0), mon.rules[0].check

@@ -3,8 +3,8 @@ promised form), plus `gpuserv bench sweep --model M` (the batch-size sweep, S9).
 
 The group is invoked without a subcommand for the workload form, so every
 option `bench` ever took is still an option of `bench` itself; `--workload`
-is checked by hand (a subcommand does not need it) and is missing with
-click's own usage error and exit code 2, as before.
+is checked by hand (a subcommand does not need it); without it the usage
+error and exit code 2 are click's, as before.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from gpuservd.cli import daemon_cmds, remote
@@ -49,7 +48,7 @@ def bench(
         return
     if workload is None:
         param = next(p for p in ctx.command.params if p.name == "workload")
-        raise click.MissingParameter(ctx=ctx, param=param)
+        ctx.fail(f"Missing option {param.get_error_hint()}.")  # click's usage error, exit 2, as before
     if target not in ("inprocess", "socket"):
         raise UserError(f"--target must be inprocess or socket, got {target!r}")
     from gpuservd.bench.report import markdown

@@ -33,7 +33,7 @@ class HintMonitor:
     """A sliding window over the daemon's events plus the rules' verdicts."""
 
     def __init__(self, rules: list[Rule] | None = None, thresholds: Thresholds | None = None,
-                 max_steps: int = 8192, max_events: int = 20000, period_s: float = 1.0):
+                 max_steps: int = 4096, max_events: int = 20000, period_s: float = 1.0):
         self.rules = list(rules or ALL_RULES)
         self.th = thresholds or Thresholds()
         self.period_s = period_s  # evaluation period in the daemon
@@ -124,7 +124,10 @@ class HintMonitor:
         """One evaluation against a running Serving: sample its status, run the rules, publish changes."""
         now = time.time()
         status = serving.status()
-        self.sample(now, (status.get("device") or {}).get("readings"), status.get("weight_cache"))
+        cache = status.get("weight_cache")
+        alert = getattr(getattr(serving.config, "cache", None), "hit_rate_alert", None)
+        self.sample(now, (status.get("device") or {}).get("readings"),
+                    {**cache, "hit_rate_alert": alert} if cache and alert is not None else cache)
         models = {}
         for m in status.get("models", []):
             slot = serving.slots.get(m["name"])

@@ -98,11 +98,11 @@ INPUTS: dict[str, tuple[Callable[[Window], bool], str]] = {
                       or any(e.get("type") == "device_error" for e in w.events),
                       "status.device.readings.health / xid_errors_total or device_error events (NVML); "
                       "no NVML in this daemon"),
-    "weight_cache": (lambda w: any(s.get("tiers") for s in w.weight_cache),
-                     "status.weight_cache.tiers.<tier>.hits/misses; the weight cache is not in this daemon yet"),
-    "evictions": (lambda w: any(s.get("tiers") for s in w.weight_cache)
+    "weight_cache": (lambda w: any(s.get("hits") is not None for s in w.weight_cache),
+                     "status.weight_cache.hits / misses per tier (the weight cache)"),
+    "evictions": (lambda w: any(s.get("hits") is not None for s in w.weight_cache)
                   or any(_is_eviction(e) for e in w.events),
-                  "model_unload events with reason evicted (the weight cache's LRU); no eviction in this daemon yet"),
+                  "model_evict events (the weight cache's LRU)"),
     "time_slices": (lambda w: any(e.get("type") == "time_slice" for e in w.events),
                     "time_slice events (run_s, switch_s, quantum_ms) from the arbiter; no arbiter in this daemon yet"),
     "sharing": (lambda w: sum(1 for s in w.steps.values() if s) >= 2,

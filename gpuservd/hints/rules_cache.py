@@ -1,15 +1,14 @@
-"""Rules over the weight cache (M7-M9). Not fed in this daemon yet: they read
+"""Rules over the weight cache (M7-M9), fed by `weights/` through the daemon:
 
-- `status.weight_cache`: `{"hit_rate_alert": 0.9, "cache_size": 3,
-  "tiers": {"device": {"hits": int, "misses": int}, "host": {...}}}` with
-  cumulative counters (the daemon samples it once per evaluation);
-- `model_unload` events with `"reason": "evicted"` (or `model_evict` events),
-  and `model_load` events with `"phase": "start"` and optionally `num_queued`
-  (requests waiting for that load).
+- `status.weight_cache` (sampled once per evaluation): cumulative `hits` and
+  `misses` per tier (`{"device": n, "host": n}`), `device.cache_size`; the
+  monitor adds the config's `cache.hit_rate_alert`;
+- `model_evict` events (or `model_unload` with `"reason": "evicted"`) and
+  `model_load` events with `"phase": "start"` (optionally `num_queued`,
+  requests waiting for that load).
 
 The sizing suggestion comes from the request trace itself (`request_finished`
-events, which this daemon does emit): an LRU of k models replayed over the
-recent sequence of requested models.
+events): an LRU of k models replayed over the recent sequence of requested models.
 """
 
 from __future__ import annotations
@@ -46,19 +45,23 @@ def lru_size_for(models: list[str], target: float) -> tuple[int, float]:
     return distinct, lru_hit_rate(models, distinct)
 
 
+def _count(sample: dict, key: str, tier: str) -> int:
+    return int((sample.get(key) or {}).get(tier, 0))
+
+
 def cache_hit_rate_low(w: Window, model: None, th: Thresholds) -> dict | None:
     """M9: a tier's hit rate over the window is under its threshold."""
     since = w.now - th.event_span_s
-    samples = [s for s in w.weight_cache if s.get("tiers") and s.get("t", 0) >= since]
+    samples = [s for s in w.weight_cache if s.get("hits") is not None and s.get("t", 0) >= since]
     if not samples:
         return None
     first, last = samples[0], samples[-1]
     alert = float(last.get("hit_rate_alert") or th.hit_rate_alert)
     worst = None
-    for tier, c in last["tiers"].items():
-        before = first["tiers"].get(tier, {}) if len(samples) >= 2 else {}
-        hits = int(c.get("hits", 0)) - int(before.get("hits", 0))
-        misses = int(c.get("misses", 0)) - int(before.get("misses", 0))
+    for tier in last["hits"]:
+        # counters are cumulative: the window's lookups are the difference (all of them with one sample)
+        hits = _count(last, "hits", tier) - (_count(first, "hits", tier) if len(samples) >= 2 else 0)
+        misses = _count(last, "misses", tier) - (_count(first, "misses", tier) if len(samples) >= 2 else 0)
         if hits + misses < th.hit_rate_min_lookups:
             continue
         rate = hits / (hits + misses)
@@ -69,7 +72,7 @@ def cache_hit_rate_low(w: Window, model: None, th: Thresholds) -> dict | None:
     trace = [e["model"] for e in w.recent_events("request_finished", th.event_span_s) if e.get("model")]
     size, size_rate = lru_size_for(trace, alert) if trace else (None, None)
     return {"tier": worst[0], "hit_rate": r3(worst[1]), "hits": worst[2], "misses": worst[3], "threshold": alert,
-            "cache_size": last.get("cache_size"), "suggested_cache_size": size,
+            "cache_size": (last.get("device") or {}).get("cache_size"), "suggested_cache_size": size,
             "suggested_hit_rate": r3(size_rate) if size_rate is not None else None, "num_requests": len(trace),
             "num_models": len(set(trace))}
 
@@ -109,8 +112,8 @@ def _arrival(e: dict) -> float:
 RULES = [
     Rule("cache_hit_rate_low", "weight-cache tier hit rate under its threshold",
          "the cache is too small for the set of models the traffic asks for (M9)",
-         "raise the {tier} tier's cache_size to {suggested_cache_size} models (the last {num_requests} requests "
-         "would hit {suggested_hit_rate} with it; now {hit_rate} < {threshold})",
+         "raise cache.cache_size to {suggested_cache_size} models: the last {num_requests} requests would hit "
+         "{suggested_hit_rate} with it (the {tier} tier hits {hit_rate} < {threshold}), or enable prefetch",
          ("weight_cache", "request_finished"), cache_hit_rate_low, per_model=False),
     Rule("load_after_evict", "loads started during a burst for a model just evicted",
          "the LRU evicted a model the traffic still needs, so a burst waits on a reload (M7)",

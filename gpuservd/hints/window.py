@@ -25,11 +25,19 @@ class Window:
     models: dict[str, dict] = field(default_factory=dict)  # model -> settings: max_num_seqs, preemption, class
     weight_cache: list[dict] = field(default_factory=list)  # samples of status.weight_cache, each with "t"
     sweeps: dict[str, dict] = field(default_factory=dict)  # model -> latest `gpuserv bench sweep` result
+    _memo: dict = field(default_factory=dict, repr=False)  # (model, span) -> recent steps: rules share the scans
 
     def recent_steps(self, model: str, span_s: float) -> list[dict]:
-        """The model's step records that ended within the last span_s seconds."""
-        since = self.now - span_s
-        return [s for s in self.steps.get(model, ()) if s["t"] >= since]
+        """The model's step records that ended within the last span_s seconds (oldest first)."""
+        key = (model, span_s)
+        if key not in self._memo:
+            since = self.now - span_s
+            steps = self.steps.get(model, ())
+            i = len(steps)
+            while i > 0 and steps[i - 1]["t"] >= since:  # newest last: walk back only over the span
+                i -= 1
+            self._memo[key] = list(steps[i:])
+        return self._memo[key]
 
     def recent_events(self, kinds: str | tuple[str, ...], span_s: float, model: str | None = None) -> list[dict]:
         """Events of these types within the last span_s seconds (of one model when given)."""

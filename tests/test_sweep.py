@@ -1,0 +1,102 @@
+"""`gpuserv bench sweep` (plateau finding, a real sweep on the tiny model, the daemon reading its result) and
+`gpuserv bench` as a group: the promised `bench -w FILE ...` form passes every option through unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpuservd.bench import sweep
+from gpuservd.bench.sweep import find_plateau
+from test_cli import invoke
+
+
+def curve(*values):
+    return [{"batch": b, "tokens_s": v} for b, v in zip((1, 2, 4, 8, 16, 32, 64), values)]
+
+
+def test_plateau_is_the_first_batch_within_ten_percent_of_the_best():
+    p = find_plateau(curve(30, 58, 100, 160, 190, 200, 195))
+    assert p == {"batch": 16, "tokens_s": 190, "best_batch": 32, "best_tokens_s": 200, "flattened": True}
+
+
+def test_a_curve_still_growing_has_no_plateau_in_range():
+    p = find_plateau(curve(30, 60, 120, 240))
+    assert p["batch"] == 8 and not p["flattened"]
+    assert find_plateau(curve(30, 60, 120, 125))["flattened"]
+    with pytest.raises(ValueError):
+        find_plateau([])
+
+
+@pytest.fixture
+def swept(tmp_path, monkeypatch, tiny_model_dir, capsys):
+    monkeypatch.setenv("GPUSERV_HOME", str(tmp_path / "home"))
+    from gpuservd.store.store import ModelStore
+
+    ModelStore().import_dir(tiny_model_dir, "tiny")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("engine:\n  kv_cache_bytes: 4MiB\n  block_size: 4\n  num_threads: 1\n")
+    out = tmp_path / "out"
+    code = invoke("bench", "sweep", "--model", "tiny", "--config", str(cfg), "--batches", "4,1,2", "--steps", "2",
+                  "--prompt-tokens", "8", "--prefill-chunk", "16", "--out", str(out))
+    assert code == 0
+    return out, capsys.readouterr().out
+
+
+def test_sweep_on_the_tiny_model_writes_json_markdown_and_plot(swept):
+    swept, stdout = swept
+    r = json.loads((swept / "result.json").read_text())
+    assert [p["batch"] for p in r["points"]] == [1, 2, 4] == [p["batch"] for p in r["points_prefill_heavy"]]
+    for p in r["points"] + r["points_prefill_heavy"]:
+        assert p["tokens_s"] > 0 and p["step_ms"] > 0 and p["num_steps"] == 2
+        assert p["tokens_s"] == pytest.approx(p["batch"] / (p["step_ms"] / 1000), rel=1e-3)
+    assert r["plateau_batch"] == r["recommended"]["decode_heavy"] == r["plateau"]["decode_heavy"]["batch"]
+    assert r["recommended"]["prefill_heavy"] in (1, 2, 4) and r["prefill_chunk"] == 16
+    md = (swept / "result.md").read_text()
+    assert "| 4 |" in md and "recommended `max_num_seqs:" in md and "prefill-heavy" in md
+    assert (swept / "sweep.png").stat().st_size > 1000
+    assert "decode-heavy: plateau at batch" in stdout
+
+
+def test_the_daemon_reads_the_latest_sweep(swept):
+    swept = swept[0]
+    from gpuservd.hints.monitor import _sweeps
+
+    latest = sweep.latest_sweep("tiny")
+    assert latest["plateau_batch"] == json.loads((swept / "result.json").read_text())["plateau_batch"]
+    assert latest["path"].endswith("sweeps/tiny.json")
+    assert _sweeps({"tiny": {}, "other": {}}) == {"tiny": latest}
+
+
+def test_sweep_errors_are_one_line(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    assert invoke("bench", "sweep", "--model", "tiny", "--batches", "0,2") == 2
+    assert "--batches" in capsys.readouterr().err
+    assert invoke("bench", "-w", "x.yaml", "sweep") == 2
+    assert "does not go with" in capsys.readouterr().err
+
+
+def test_bench_keeps_its_promised_options(monkeypatch, tmp_path, capsys):
+    """`gpuserv bench -w FILE` with every option still reaches run_bench exactly as before."""
+    seen = {}
+
+    def fake_run_bench(workload, config, peers, out, model=None, log=None, compare=None, alone_without=None):
+        seen.update(workload=workload, config=config, peers=peers, out=out, model=model, compare=compare,
+                    alone_without=alone_without)
+        return {"fake": True}
+
+    import gpuservd.bench.report as report
+    import gpuservd.bench.run as run
+
+    monkeypatch.setattr(run, "run_bench", fake_run_bench)
+    monkeypatch.setattr(report, "markdown", lambda result: "REPORT")
+    code = invoke("bench", "-w", "wl.yaml", "-c", "base.yaml", "--peers", "hf_static", "--out", "o", "-m", "tiny",
+                  "--compare", "a.yaml", "--compare", "b.yaml", "--alone-without", "long")
+    assert code == 0 and capsys.readouterr().out.strip() == "REPORT"
+    assert {k: str(v) if not isinstance(v, list) else [str(x) for x in v] for k, v in seen.items()} == {
+        "workload": "wl.yaml", "config": "base.yaml", "peers": ["hf_static"], "out": "o", "model": "tiny",
+        "compare": ["a.yaml", "b.yaml"], "alone_without": "long"}
+    assert invoke("bench", "--workload", "wl.yaml", "--target", "socket", "--config", "c.yaml") == 2
+    assert "apply to --target inprocess" in capsys.readouterr().err
+    assert invoke("bench", "--peers", "none") == 2  # --workload is still required without a subcommand
+    assert "Missing option '--workload'" in capsys.readouterr().err
