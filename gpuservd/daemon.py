@@ -276,6 +276,10 @@ class Daemon:
         engine_changed = new.engine != self.cfg.engine
         self.cfg.engine = new.engine  # applies at the next model load
         self.serving.set_tenants(tenants)
+        if "versions" in changed:  # the file's version tables replace the run-time ones
+            from gpuservd.routing import VersionRouter
+
+            self.serving.router = VersionRouter(old.versions)
         for slot in self.serving.slots.values():
             if slot.loop is not None:
                 slot.loop.admission_window_s = old.admission_window_ms / 1000

@@ -41,6 +41,7 @@ class ServerConfig:
     log_requests: bool = True  # one log line per request (id, uid, tenant, tokens, latency)
     event_queue_size: int = 10000  # events buffered per /admin/events reader; a slower reader loses some
     backlog: int = 2048  # listen() backlog
+    versions: dict = field(default_factory=dict)  # alias -> {version model: traffic weight} (canary routing)
 
     def validate(self) -> None:
         if not isinstance(self.models, list) or any(not isinstance(m, str) or not m for m in self.models):
@@ -60,6 +61,12 @@ class ServerConfig:
         self.group_id()
         if self.tcp:
             parse_tcp(self.tcp)
+        if not isinstance(self.versions, dict):
+            raise UserError(f"server.versions must map a model name to {{version: weight}}, got {self.versions!r}")
+        from gpuservd.routing import check_weights
+
+        for alias, weights in self.versions.items():
+            check_weights(alias, weights)
 
     def mode_bits(self) -> int:
         try:
@@ -101,7 +108,7 @@ class ServerConfig:
 # Re-read on SIGHUP and applied at once; the rest needs a restart (listening sockets) or
 # applies at the next model load (the engine section).
 HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "drain_timeout", "admission_window_ms",
-              "tenants_file", "profiles_dir", "log_level", "log_requests", "models")
+              "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions")
 
 
 def parse_tcp(addr: str) -> tuple[str, int]:

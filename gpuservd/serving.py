@@ -14,6 +14,7 @@ import copy
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import asdict
 
 from gpuservd import __version__
@@ -29,6 +30,7 @@ from gpuservd.tenants import TenantMap
 
 log = logging.getLogger("gpuservd.serving")
 LOAD_RETRY_S = 10.0  # a model whose load failed is tried again on demand after this long
+HIT_WINDOW = 50  # requests the hit-rate alert looks back over
 access_log = logging.getLogger("gpuservd.access")
 
 
@@ -62,8 +64,13 @@ class Serving:
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
         from gpuservd.weights.prefetch import PrefetchStats, Predictor
 
+        from gpuservd.routing import VersionRouter
+
+        self.router = VersionRouter(config.server.versions)
         self.predictor = Predictor(min_prob=config.cache.prefetch_min_prob)
         self.prefetch_stats = PrefetchStats()
+        self._lookups: deque[tuple[str, bool]] = deque(maxlen=HIT_WINDOW)  # (model, found on the device)
+        self._hit_alert_on = False
         from gpuservd.hints.monitor import HintMonitor
 
         self.hints = HintMonitor()  # sees every event; the daemon runs its once-a-second evaluation
@@ -152,6 +159,7 @@ class Serving:
             self.prefetch_stats.used += warmed
             self.prefetch_stats.wasted += not warmed
         self.predictor.observe(name)
+        self._watch_hit_rate(name, on_device)
         if cc.prefetch and self.state != "draining":
             self._prefetch_after(name)
         if on_device or self.state == "draining":
@@ -174,6 +182,37 @@ class Serving:
         except asyncio.TimeoutError:
             raise protocol.unavailable(f"model {name} is still loading after {cc.load_timeout_s:.0f} s; "
                                        "retry shortly", "model_loading", 5) from None
+
+    def _watch_hit_rate(self, name: str, hit: bool) -> None:
+        """M9: over the last HIT_WINDOW lookups, a device hit rate under cache.hit_rate_alert publishes
+        one `cache_hit_rate_low` event with a sizing suggestion (again only after it recovers)."""
+        self._lookups.append((name, hit))
+        if len(self._lookups) < HIT_WINDOW:
+            return
+        rate = sum(h for _, h in self._lookups) / len(self._lookups)
+        if rate >= self.config.cache.hit_rate_alert:
+            self._hit_alert_on = False
+            return
+        if self._hit_alert_on:
+            return
+        self._hit_alert_on = True
+        counts: dict[str, int] = {}
+        for m, _ in self._lookups:
+            counts[m] = counts.get(m, 0) + 1
+        need, covered = 0, 0
+        for c in sorted(counts.values(), reverse=True):  # models that carry 90% of the requests
+            need, covered = need + 1, covered + c
+            if covered >= 0.9 * len(self._lookups):
+                break
+        cc = self.config.cache
+        suggestion = (f"the device hit rate is {100 * rate:.0f}% over the last {len(self._lookups)} requests "
+                      f"(alert below {100 * cc.hit_rate_alert:.0f}%); {need} models carry 90% of them and "
+                      f"cache.cache_size is {cc.cache_size}: raise cache_size to {max(need, cc.cache_size + 1)} "
+                      "(with the device bytes to match), pin the busiest models, or turn prefetch on")
+        log.warning("weight cache: %s", suggestion)
+        self.bus.publish({"type": "cache_hit_rate_low", "t": time.time(), "hit_rate": rate,
+                          "window": len(self._lookups), "models_for_90pct": need, "cache_size": cc.cache_size,
+                          "suggested_cache_size": max(need, cc.cache_size + 1), "message": suggestion})
 
     def _prefetch_after(self, name: str) -> None:
         """Warm the models likely to be asked for next (M3) when the device can take them without
@@ -205,6 +244,7 @@ class Serving:
 
     async def start(self, greq: GenerationRequest, ctx: RequestContext) -> ActiveRequest:
         """Admit, tokenize and queue a request; returns once the engine accepted it (else raises APIError)."""
+        greq.model = self.router.pick(greq.model)  # a versioned name: the version that serves it (O4)
         await self._ensure_loaded(greq.model)
         slot = self._admit(greq, ctx)
         active = ActiveRequest(self, slot, ctx, greq)
@@ -457,6 +497,13 @@ class Serving:
         self.bus.publish({"type": "model_pin", "t": time.time(), "model": name, "pinned": pinned})
         return {"model": name, "pinned": pinned}
 
+    def set_versions(self, alias: str, weights: dict | None) -> dict:
+        """Change an alias's version weights at run time (admin API, reload)."""
+        try:
+            return self.router.set(alias, weights)
+        except UserError as exc:
+            raise protocol.bad_request(str(exc), "weights") from None
+
     # ---- requests, drain --------------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
         active = self.active.get(request_id)
@@ -531,6 +578,7 @@ class Serving:
             models=[self.model_status(s) for _, s in sorted(self.slots.items())], num_in_flight=len(self.active),
             num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total)
         data = asdict(st)
+        data["versions"] = self.router.status()
         data["weight_cache"] = self.cache.status()
         data["weight_cache"]["prefetch"] = {"enabled": self.config.cache.prefetch, **self.prefetch_stats.to_dict()}
         data["tenants"] = {name: {"queued": self.tenant_queued.get(name, 0),

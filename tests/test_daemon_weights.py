@@ -115,3 +115,55 @@ def test_prefetch_warms_the_model_that_usually_follows(tmp_path, tiny_model_dir)
         assert "prefetching model b (follows a" in d.log
     finally:
         d.stop()
+
+
+def test_versions_split_traffic_and_change_at_run_time(tmp_path, tiny_model_dir):
+    home = make_home(tmp_path, tiny_model_dir, names=("tiny", "tiny-canary"))
+    d = DaemonProcess(tmp_path, home, config={
+        "server": {"models": ["tiny", "tiny-canary"], "versions": {"tiny": {"tiny": 1, "tiny-canary": 1}}},
+        "cache": {"hit_rate_alert": 0.99}})
+    try:
+        d.wait_ready()
+        served = [ask(d, "tiny", max_tokens=1).json()["model"] for _ in range(40)]
+        assert set(served) == {"tiny", "tiny-canary"}  # the response names the version that served it
+        st = d.status()["versions"]["tiny"]
+        assert sum(st["served"].values()) == 40 and st["weights"] == {"tiny": 1.0, "tiny-canary": 1.0}
+        from typer.testing import CliRunner
+
+        from gpuservd.cli.main import app
+
+        env = {"GPUSERV_SOCKET": str(d.socket), "GPUSERV_HOME": str(home)}
+        r = CliRunner().invoke(app, ["models", "versions", "tiny", "tiny-canary=100", "tiny=0"], env=env)
+        assert r.exit_code == 0 and "tiny-canary 100%" in r.output, r.output
+        assert {ask(d, "tiny", max_tokens=1).json()["model"] for _ in range(10)} == {"tiny-canary"}
+        with d.http() as c:
+            bad = c.post("/admin/models/tiny/versions", json={"weights": {"tiny": -1}})
+        assert bad.status_code == 400 and "must be a number >= 0" in bad.json()["error"]["message"]
+        r = CliRunner().invoke(app, ["models", "versions", "tiny", "--clear"], env=env)
+        assert r.exit_code == 0 and ask(d, "tiny", max_tokens=1).json()["model"] == "tiny"
+        with d.http() as c:
+            text = c.get("/metrics").text
+        assert 'gpuserv_weight_cache_hits_total{tier="device"}' in text
+    finally:
+        d.stop()
+
+
+def test_low_hit_rate_publishes_a_sizing_suggestion(tmp_path, tiny_model_dir):
+    home = make_home(tmp_path, tiny_model_dir, names=("a", "b", "c"))
+    d = DaemonProcess(tmp_path, home, config={"server": {"models": []},
+                                              "cache": {"cache_size": 1, "host_bytes": "64MiB"}})
+    try:
+        d.wait_ready()
+        for i in range(51):  # round robin over 3 models with room for 1: every request misses
+            assert ask(d, "abc"[i % 3], max_tokens=1).status_code == 200
+        with d.http() as c, c.stream("GET", "/admin/events", params={"recent": "50",
+                                                                    "types": "cache_hit_rate_low"}) as r:
+            import json
+
+            lines = r.iter_lines()
+            json.loads(next(lines))  # hello
+            ev = json.loads(next(lines))
+        assert ev["hit_rate"] < 0.9 and ev["models_for_90pct"] == 3 and ev["suggested_cache_size"] == 3
+        assert "raise cache_size to 3" in ev["message"]
+    finally:
+        d.stop()

@@ -10,6 +10,7 @@ recent non-step events, so a console that connects late has context.
 from __future__ import annotations
 
 import json
+import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -109,6 +110,16 @@ def routes(serving: Serving, controller) -> list[Route]:
         return JSONResponse(serving.pin(request.path_params["model"], _opt(body, "pinned", bool, True)))
 
     @endpoint()
+    async def versions(request: Request):
+        body = await _json_body(request)
+        weights = body.get("weights") if isinstance(body, dict) else None
+        if weights is not None and not isinstance(weights, dict):
+            raise protocol.bad_request("weights must be an object of version name to weight", "weights")
+        result = serving.set_versions(request.path_params["model"], weights)
+        serving.bus.publish({"type": "versions", "t": time.time(), **result})
+        return JSONResponse(result)
+
+    @endpoint()
     async def drain(request: Request):
         body = await _json_body(request)
         timeout = _opt(body, "timeout", float, None)
@@ -174,6 +185,7 @@ def routes(serving: Serving, controller) -> list[Route]:
         Route("/admin/models/{model}/load", load, methods=["POST"]),
         Route("/admin/models/{model}/unload", unload, methods=["POST"]),
         Route("/admin/models/{model}/pin", pin, methods=["POST"]),
+        Route("/admin/models/{model}/versions", versions, methods=["POST"]),
         Route("/admin/drain", drain, methods=["POST"]),
         Route("/admin/resume", resume, methods=["POST"]),
         Route("/admin/reload", reload, methods=["POST"]),

@@ -159,6 +159,10 @@ class Client:
     def pin(self, name: str, pinned: bool = True) -> dict:
         return self.request("POST", f"/admin/models/{name}/pin", {"pinned": pinned})
 
+    def set_versions(self, name: str, weights: dict | None) -> dict:
+        """Split `name`'s traffic over versions by weight ({} or None: serve it as itself)."""
+        return self.request("POST", f"/admin/models/{name}/versions", {"weights": weights or None})
+
     def drain(self, timeout: float | None = None, exit: bool = True) -> dict:
         return self.request("POST", "/admin/drain", {"timeout": timeout, "exit": exit}, LONG_TIMEOUT)
 

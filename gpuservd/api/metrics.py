@@ -191,7 +191,22 @@ class _SnapshotCollector:
         dropped = CounterMetricFamily("gpuserv_events_dropped", "Events a slow /admin/events reader lost")
         dropped.add_metric([], serving.bus.num_dropped)
         yield from (draining, uptime, subs, dropped)
+        yield from _cache_metrics(serving.cache)
         yield from _hint_gauges(serving.hints)
+
+
+def _cache_metrics(cache):
+    """The weight cache (M9): lookups that found their model per tier, bytes resident per tier."""
+    hits = CounterMetricFamily("gpuserv_weight_cache_hits", "Model lookups that found the model in the tier",
+                               labels=["tier"])
+    misses = CounterMetricFamily("gpuserv_weight_cache_misses", "Model lookups that did not", labels=["tier"])
+    resident = GaugeMetricFamily("gpuserv_weight_cache_bytes", "Weight bytes held by the tier", labels=["tier"])
+    st = cache.status()
+    for tier in ("device", "host"):
+        hits.add_metric([tier], st["hits"][tier])
+        misses.add_metric([tier], st["misses"][tier])
+        resident.add_metric([tier], st[tier]["used_bytes"])
+    return hits, misses, resident
 
 
 def _hint_gauges(monitor):

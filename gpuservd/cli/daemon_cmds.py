@@ -224,6 +224,36 @@ def models_pin(
         typer.echo(f"{name} {'pinned' if result['pinned'] else 'unpinned'}")
 
 
+def models_versions(
+    name: str = typer.Argument(..., help="The name clients ask for."),
+    weights: Optional[list[str]] = typer.Argument(None, help="VERSION=WEIGHT pairs, e.g. smollm2=90 smollm2-ft=10."),
+    clear: bool = typer.Option(False, "--clear", help="Serve NAME as itself again."),
+    socket: Optional[Path] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Split NAME's traffic over versions by weight (a canary); responses name the version that served."""
+    table: dict[str, float] = {}
+    for pair in weights or []:
+        version, sep, w = pair.partition("=")
+        try:
+            table[version] = float(w)
+        except ValueError:
+            raise UserError(f"expected VERSION=WEIGHT like smollm2-ft=10, got {pair!r}") from None
+        if not sep or not version:
+            raise UserError(f"expected VERSION=WEIGHT like smollm2-ft=10, got {pair!r}")
+    if not table and not clear:
+        raise UserError("give VERSION=WEIGHT pairs, or --clear")
+    with _client(socket) as client:
+        result = client.set_versions(name, None if clear else table)
+    if as_json:
+        _echo_json(result)
+    elif result["versions"]:
+        total = sum(result["versions"].values())
+        typer.echo(f"{name}: " + ", ".join(f"{v} {100 * w / total:.0f}%" for v, w in result["versions"].items()))
+    else:
+        typer.echo(f"{name}: served as itself")
+
+
 # ---- requests ---------------------------------------------------------------------------------------
 
 @requests_app.command("ls")
@@ -268,3 +298,4 @@ def register(app: typer.Typer, models_app: typer.Typer) -> None:
     models_app.command("load")(models_load)
     models_app.command("unload")(models_unload)
     models_app.command("pin")(models_pin)
+    models_app.command("versions")(models_versions)
