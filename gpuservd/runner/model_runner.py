@@ -48,7 +48,9 @@ class ModelRunner:
         on_layer=None,
     ):
         """weight_source: a tensor source (the host tier's HostCopy, an INT8 file) instead of the
-        store's safetensors; initial_layers: layered loading (see weights.load_weights)."""
+        store's safetensors, or an object whose build_weights(arch, dtype, device, initial_layers,
+        on_layer) returns ready weights (weights/delta.py: shared base weights, alone or under a
+        variant's delta); initial_layers: layered loading (see weights.load_weights)."""
         t0 = time.perf_counter()
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -58,8 +60,12 @@ class ModelRunner:
             # We attend over the full context; capping at the window keeps that exact.
             limit = min(limit, self.arch.sliding_window)
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
-        weights = load_weights(weight_source if weight_source is not None else model_dir, self.arch, self.dtype,
-                               self.device, initial_layers=initial_layers, on_layer=on_layer)
+        if hasattr(weight_source, "build_weights"):  # weights shared with other engines (a base + delta, M6)
+            weights = weight_source.build_weights(self.arch, self.dtype, self.device, initial_layers=initial_layers,
+                                                 on_layer=on_layer)
+        else:
+            weights = load_weights(weight_source if weight_source is not None else model_dir, self.arch, self.dtype,
+                                   self.device, initial_layers=initial_layers, on_layer=on_layer)
         self.weights = weights
         self.model = LlamaModel(self.arch, weights, self.max_model_len, self.dtype, self.device)
         self.block_size = block_size

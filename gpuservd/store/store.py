@@ -22,7 +22,7 @@ import yaml
 
 from gpuservd.errors import ModelNotFound, StoreCorrupt, UserError
 from gpuservd.paths import models_root
-from gpuservd.store import layout
+from gpuservd.store import layout, variant
 from gpuservd.store.fsutil import clean_stale_tmp, fsync_path, fsync_tree, set_default_modes, tmp_name
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
@@ -50,6 +50,8 @@ class ModelInfo:
     source: str  # where it came from (gpuserv.yaml), "unknown" for hand-placed dirs
     created: str = ""  # ISO time of the pull/import (gpuserv.yaml), "" when unknown
     error: str | None = None  # set by list() for a damaged entry; the other fields are then partial
+    base: str | None = None  # a variant's base model (M6); None for a full model
+    variant_kind: str | None = None  # lora | delta for a variant; None for a full model
 
 
 def validate_name(name: str) -> None:
@@ -113,10 +115,50 @@ class ModelStore:
         Raises StoreCorrupt naming the exact bad file; returns the entry's info when sound.
         """
         model_dir = self.path(name)
+        meta = self._read_meta(model_dir)
+        if meta.get("kind") in variant.KINDS and meta.get("base"):
+            return self._read_variant_info(name, model_dir, meta, validate=True)
         layout.check_dir(model_dir)
         return self._read_info(name, model_dir)
 
+    def variant_meta(self, name: str) -> dict | None:
+        """A variant's gpuserv.yaml ({kind, base, ...}); None for a full model."""
+        meta = self._read_meta(self.path(name))
+        return meta if meta.get("kind") in variant.KINDS and meta.get("base") else None
+
+    def base_dir(self, name: str) -> Path:
+        """Where a model's config.json and tokenizer live: its own directory, or its base's."""
+        meta = self.variant_meta(name)
+        return self.path(meta["base"]) if meta else self.path(name)
+
+    def variants_of(self, base: str) -> list[str]:
+        """The store entries declared as variants of `base`."""
+        metas = {n: self._read_meta(self.root / n) for n in self.names()}
+        return [n for n, m in metas.items() if m.get("base") == base and m.get("kind") in variant.KINDS]
+
+    def _read_variant_info(self, name: str, model_dir: Path, meta: dict, validate: bool = False) -> ModelInfo:
+        base = str(meta["base"])
+        if base not in self.names():
+            raise StoreCorrupt(f"{model_dir / META_FILE}: base model {base!r} is not in the store")
+        config = layout.read_config(self.root / base)
+        if validate:
+            spec = variant.validate_delta(model_dir, config, base)
+            num_parameters, dtype = spec.num_parameters, spec.dtype
+        else:
+            num_parameters, dtype = int(meta.get("num_parameters") or 0), str(meta.get("dtype", "?"))
+        return ModelInfo(
+            name=name, path=model_dir.resolve(), architecture=layout.architecture_of(config),
+            num_parameters=num_parameters, dtype=dtype, bytes_on_disk=layout.dir_bytes(model_dir),
+            num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
+            num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+            source=str(meta.get("source", "unknown")), created=str(meta.get("created", "")),
+            base=base, variant_kind=str(meta["kind"]))
+
     def _read_info(self, name: str, model_dir: Path) -> ModelInfo:
+        meta = self._read_meta(model_dir)
+        if meta.get("kind") in variant.KINDS and meta.get("base"):
+            return self._read_variant_info(name, model_dir, meta)
         config = layout.read_config(model_dir)
         summary = layout.summarize_weights(model_dir)
         meta = self._read_meta(model_dir)
@@ -164,12 +206,14 @@ class ModelStore:
     # ---- writing -------------------------------------------------------------
 
     @contextmanager
-    def staging(self, name: str, source: str, overwrite: bool = False) -> Iterator[Path]:
+    def staging(self, name: str, source: str, overwrite: bool = False, validate=None) -> Iterator[Path]:
         """Yield an empty temp dir inside the root; on clean exit, publish it as `name`.
 
         Publishing validates the directory (layout.check_dir), writes gpuserv.yaml,
         fsyncs every file and renames the dir into place. Any exception (or a kill)
         leaves no entry behind: the temp dir is removed now, or by the next write.
+        validate(tmp) -> gpuserv.yaml's dict replaces check_dir for entries that are not full
+        models (variants).
         """
         validate_name(name)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -181,8 +225,11 @@ class ModelStore:
         tmp.mkdir(mode=0o700)
         try:
             yield tmp
-            config, summary = layout.check_dir(tmp)
-            self._write_meta(tmp, name, source, config, summary)
+            if validate is not None:
+                (tmp / META_FILE).write_text(yaml.safe_dump(validate(tmp), sort_keys=False))
+            else:
+                config, summary = layout.check_dir(tmp)
+                self._write_meta(tmp, name, source, config, summary)
             set_default_modes(tmp)
             fsync_tree(tmp)
             self._publish(tmp, dest, overwrite)
@@ -247,9 +294,40 @@ class ModelStore:
                 _copy_file(file, tmp / file.name)
         return self.info(name)
 
+    def derive(self, name: str, base: str, adapter: Path, overwrite: bool = False) -> ModelInfo:
+        """Register a variant (M6): `base` plus a LoRA adapter or full-rank delta from `adapter`,
+        validated against the base's shapes; only the delta's files are copied."""
+        validate_name(name)
+        if name == base:
+            raise UserError(f"a variant cannot be its own base ({name!r})")
+        base_dir = self.path(base)
+        if self.variant_meta(base):
+            raise UserError(f"{base!r} is itself a variant; derive from a full model ({self.variant_meta(base)['base']})")
+        adapter = Path(adapter).expanduser().resolve()
+        if not adapter.is_dir():
+            raise UserError(f"{adapter}: not a directory")
+        base_config = layout.read_config(base_dir)
+        spec = variant.validate_delta(adapter, base_config, base)  # fail before anything is written
+
+        def meta(tmp: Path) -> dict:
+            variant.validate_delta(tmp, base_config, base)  # the copies, as they will be served
+            return {"name": name, "source": f"derive:{adapter}", "kind": spec.kind, "base": base,
+                    "architecture": layout.architecture_of(base_config), "dtype": spec.dtype,
+                    "num_parameters": spec.num_parameters, "num_layers": int(base_config["num_hidden_layers"]),
+                    "rank": spec.rank, "lora_alpha": spec.alpha, "targets": spec.targets,
+                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+        with self.staging(name, source=f"derive:{adapter}", overwrite=overwrite, validate=meta) as tmp:
+            for f in spec.files:
+                _copy_file(adapter / f, tmp / f)
+        return self.info(name)
+
     def remove(self, name: str) -> None:
         """Delete an entry; it vanishes at once (renamed aside) and is then deleted."""
         model_dir = self.path(name)
+        dependents = self.variants_of(name)
+        if dependents:
+            raise UserError(f"model {name!r} is the base of {', '.join(dependents)}; remove those first")
         aside = self.root / tmp_name(name)
         os.rename(model_dir, aside)
         shutil.rmtree(aside, ignore_errors=True)
