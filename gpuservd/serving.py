@@ -350,6 +350,7 @@ class Serving:
         self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "start"})
         t0 = time.monotonic()
         try:
+            base, config_dir = self._variant_dirs(name, model_dir)  # a variant (M6) runs on its base's config
             await self._make_room(name, model_dir, cfg)
         except Exception as exc:
             self._load_failed(slot, exc)
@@ -366,14 +367,17 @@ class Serving:
                 "type": "model_load", "t": time.time(), "model": name, "phase": "layer", "layer": i,
                 "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
 
+        sources = []
+
         def build():
             source, tier = self._weight_source(name, model_dir)
+            sources.append(source)
             slot.source_tier = tier
             from gpuservd.runner.model_config import load_arch
 
-            slot.num_layers = load_arch(model_dir).num_layers
+            slot.num_layers = load_arch(config_dir).num_layers
             initial = cc.initial_layers if cc.load_strategy == "layered" else None
-            engine = LLMEngine(name, model_dir, cfg, weight_source=source, initial_layers=initial, on_layer=on_layer)
+            engine = LLMEngine(name, config_dir, cfg, weight_source=source, initial_layers=initial, on_layer=on_layer)
             engine.set_tenant_quotas(self.tenants.quotas())
             return engine
 
@@ -382,7 +386,7 @@ class Serving:
         try:
             loop.start()
             engine = await asyncio.wrap_future(loop.ready)
-            slot.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+            slot.tokenizer = await asyncio.to_thread(load_tokenizer, config_dir)
         except Exception as exc:
             loop.stop()
             self._load_failed(slot, exc)
@@ -393,15 +397,21 @@ class Serving:
         slot.loop = loop
         slot.state = "ready"
         slot.loaded.set()
-        slot.weights_bytes = engine.runner.weights.nbytes()
-        self.cache.device_loaded(name, slot.weights_bytes, pinned)
+        slot.weights_bytes = engine.runner.weights.nbytes()  # a variant's: its delta alone
+        self.cache.device_loaded(name, slot.weights_bytes, pinned, base=base)
         self._load_failed_at.pop(name, None)
         took = time.monotonic() - t0
+        delta_read = getattr(sources[0], "bytes_read", 0) if base else 0
+        if base:
+            self.cache.bytes_loaded["delta"] = self.cache.bytes_loaded.get("delta", 0) + delta_read
+            log.info("model %s is %s plus a %s delta: %d bytes read for the delta", name, base,
+                     sources[0].spec.kind, delta_read)
         log.info("model %s ready in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)", name, took,
                  slot.source_tier, engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
         self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "ready", "load_s": took,
-                          "tier": slot.source_tier, "num_layers": slot.num_layers})
-        if cc.host_bytes and self.cache.residency(name)["host"] == 0:
+                          "tier": slot.source_tier, "num_layers": slot.num_layers,
+                          **({"base": base, "delta_bytes_read": delta_read} if base else {})})
+        if cc.host_bytes and not base and self.cache.residency(name)["host"] == 0:
             asyncio.ensure_future(asyncio.to_thread(self._keep_host_copy, name, model_dir))
         return slot
 
@@ -419,6 +429,9 @@ class Serving:
         """Evict least recently used idle models until `name` fits the device tier (M7)."""
         need = await asyncio.to_thread(self._weight_bytes, name)
         busy = {n for n, s in self.slots.items() if n != name and (s.num_in_flight or s.state != "ready")}
+        base = self._base_of(name)
+        if base is not None:
+            busy.add(base)  # the variant runs on its base's weights
         for victim in self.cache.plan_device_load(name, need, busy):
             log.info("evicting model %s from the device to make room for %s", victim, name)
             if victim in self.prefetch_stats.pending:
@@ -429,16 +442,89 @@ class Serving:
             await self.unload(victim, timeout=0)
 
     def _weight_bytes(self, name: str) -> int:
-        """Weight bytes a model will take on the device (from its files' headers; nothing is read)."""
+        """Weight bytes a model will add to the device (from its files' headers; nothing is read):
+        a variant's delta, plus its base's weights when they are not there yet (M6)."""
         from gpuservd.runner.model_runner import DTYPES
         from gpuservd.runner.weights import SafetensorsReader, expected_bytes
         from gpuservd.store.store import ModelStore
 
-        return expected_bytes(SafetensorsReader(ModelStore().path(name)), DTYPES[self.config.engine.dtype])
+        store, dtype = ModelStore(), DTYPES[self.config.engine.dtype]
+        base = self._base_of(name)
+        if base is not None:
+            from gpuservd.store.layout import read_config
+            from gpuservd.store.variant import validate_delta
+
+            spec = validate_delta(store.path(name), read_config(store.path(base)), base)
+            own = spec.num_parameters * dtype.itemsize
+            return own + (0 if self.cache.has_weights(base) else self._weight_bytes(base))
+        return expected_bytes(SafetensorsReader(store.path(name)), dtype)
+
+    def _base_of(self, name: str) -> str | None:
+        """A variant's base model (M6); None for a full model."""
+        from gpuservd.store.store import ModelStore
+
+        meta = ModelStore().variant_meta(name)
+        return str(meta["base"]) if meta else None
+
+    def _variant_dirs(self, name: str, model_dir):
+        """(base or None, the directory with the config and tokenizer the model runs with)."""
+        from gpuservd.errors import ModelNotFound
+        from gpuservd.store.store import ModelStore
+
+        base = self._base_of(name)
+        if base is None:
+            return None, model_dir
+        try:
+            return base, ModelStore().path(base)
+        except ModelNotFound:
+            raise ModelNotFound(f"model {name} is a variant of {base!r}, which is not in the store; "
+                                f"pull or import {base} (or remove {name})") from None
 
     def _weight_source(self, name: str, model_dir):
-        """(tensor source, tier name) for a load: the host copy, else the store (its INT8 file under
-        compression: int8, written on first use)."""
+        """(weight source, tier name) for a load. A variant (M6): its delta over the base's weights
+        in memory ("delta"), the base loaded first when absent ("delta+<base's tier>"). A full model:
+        its weights held for its variants ("device"), else the host copy, else the store (its INT8
+        file under compression: int8, written on first use); built weights are registered with the
+        cache, which shares them with the variants that come later."""
+        from gpuservd.weights.delta import SharedSource
+
+        base = self._base_of(name)
+        if base is not None:
+            return self._variant_source(name, base, model_dir)
+
+        def share(build):
+            return self.cache.shared_weights(name, build)
+
+        if self.cache.has_weights(name):
+            return SharedSource(model_dir, share), "device"
+        source, tier = self._tier_source(name, model_dir)
+        return SharedSource(source, share), tier
+
+    def _variant_source(self, name: str, base: str, model_dir):
+        from gpuservd.runner.weights import load_weights
+        from gpuservd.store.layout import read_config
+        from gpuservd.store.store import ModelStore
+        from gpuservd.weights.delta import VariantSource
+
+        base_dir = ModelStore().path(base)
+        tier = ["delta"]
+        if not self.cache.has_weights(base):
+            tier[0] = "delta+" + ("host" if self.cache.residency(base)["host"] else "disk")
+
+        def base_weights(arch, dtype, device):
+            def build():  # the base as a hidden dependency: its weights, without an engine of its own
+                source, base_tier = self._tier_source(base, base_dir)
+                log.info("model %s: loading its base %s from the %s tier", name, base, base_tier)
+                return load_weights(source, arch, dtype, device)
+
+            weights = self.cache.shared_weights(base, build)
+            self.cache.hold_base(base, weights.nbytes(), name)
+            return weights
+
+        return VariantSource(base_weights, model_dir, read_config(base_dir), base), tier[0]
+
+    def _tier_source(self, name: str, model_dir):
+        """(tensor source, tier name): the host copy, else the store (INT8 under compression: int8)."""
         copy_ = self.cache.host_copy(name)
         if copy_ is not None:
             self.cache.bytes_loaded["host"] += copy_.nbytes

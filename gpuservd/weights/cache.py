@@ -9,6 +9,15 @@
 Mechanism and bookkeeping only: the daemon asks `plan_device_load` whom to evict,
 stops those engines itself and reports back with `device_loaded` / `device_evicted`.
 Thread-safe: host copies are built off the event loop.
+
+Shared bases (M6): every full model's ModelWeights are registered here when built
+(`shared_weights`), so a variant's engine reads the very same object as its
+base's engine. A device entry counts its own bytes once: a base's under the
+base, a variant's delta under the variant. A base whose engine leaves while
+variants still use its weights stays on the device as a held entry
+(`engine=False`, counted in bytes, not in cache_size) and goes with its last
+variant; `plan_device_load` frees a base's bytes only when it and every variant
+over it leave.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuservd.errors import UserError
 from gpuservd.weights.config import CacheConfig
@@ -27,9 +36,12 @@ TIERS = ("device", "host")
 
 @dataclass
 class DeviceEntry:
-    nbytes: int
+    nbytes: int  # the model's own weight bytes (a variant: its delta only)
     pinned: bool
     last_used: float
+    base: str | None = None  # a variant's base (its weights are the base's entry's)
+    engine: bool = True  # an engine serves it; False: a base held only for its variants
+    holders: set[str] = field(default_factory=set)  # variants on the device that use these weights
 
 
 class CacheFull(UserError):
@@ -46,6 +58,8 @@ class WeightCache:
         self.misses = {t: 0 for t in TIERS}
         self.bytes_loaded = {"host": 0, "disk": 0}  # weight bytes read from each tier by loads
         self._lock = threading.Lock()
+        self.weights: dict[str, object] = {}  # model -> its ModelWeights, shared with its variants (M6)
+        self._build_locks: dict[str, threading.Lock] = {}
 
     # -- lookups (M9) -----------------------------------------------------
     def touch(self, model: str) -> bool:
@@ -86,29 +100,85 @@ class WeightCache:
         with self._lock:
             others = {m: e for m, e in self.device.items() if m != model}
             used = sum(e.nbytes for e in others.values())
-            count = len(others)
+            count = sum(e.engine for e in others.values())
             evict: list[str] = []
-            for m, e in sorted(others.items(), key=lambda kv: kv[1].last_used):
+
+            def recency(item):  # a base is as recent as its most recent variant
+                e = item[1]
+                return max([e.last_used] + [others[h].last_used for h in e.holders if h in others])
+
+            for m, e in sorted(others.items(), key=recency):
                 if count + 1 <= self.config.cache_size and used + nbytes <= self.device_budget:
                     break
-                if e.pinned or m in busy or now - e.last_used < self.config.keep_alive_s:
-                    continue
+                if not e.engine or e.pinned or m in busy or now - e.last_used < self.config.keep_alive_s:
+                    continue  # a held base leaves with its last variant, below
                 evict.append(m)
-                used -= e.nbytes
                 count -= 1
+                if not e.holders - set(evict):
+                    used -= e.nbytes  # no variant keeps its weights
+                be = others.get(e.base) if e.base else None
+                if be is not None and not be.holders - set(evict) and (not be.engine or e.base in evict):
+                    used -= be.nbytes  # the last user of a base that no engine serves any more
             if count + 1 > self.config.cache_size or used + nbytes > self.device_budget:
                 held = ", ".join(sorted(others)) or "nothing"
                 raise CacheFull(f"no room on the device for model {model}: {held} are pinned, busy or kept "
                                 f"alive (cache_size {self.config.cache_size}, {self.device_budget / 1e6:.0f} MB)")
             return evict
 
-    def device_loaded(self, model: str, nbytes: int, pinned: bool = False) -> None:
+    def device_loaded(self, model: str, nbytes: int, pinned: bool = False, base: str | None = None) -> None:
+        """`model`'s engine serves; nbytes are its own (a variant's delta, whose base is held)."""
         with self._lock:
-            self.device[model] = DeviceEntry(nbytes, pinned, time.monotonic())
+            old = self.device.get(model)
+            holders = old.holders if old is not None else set()
+            self.device[model] = DeviceEntry(nbytes, pinned, time.monotonic(), base, True, holders)
+            if base is not None and base in self.device:
+                self.device[base].holders.add(model)
+
+    def hold_base(self, base: str, nbytes: int, holder: str) -> None:
+        """A variant (holder) uses base's weights: the base is on the device, with or without its
+        own engine, until its last holder leaves."""
+        with self._lock:
+            entry = self.device.get(base)
+            if entry is None:
+                entry = self.device[base] = DeviceEntry(nbytes, False, time.monotonic(), engine=False)
+            entry.holders.add(holder)
 
     def device_evicted(self, model: str) -> None:
+        """model's engine left (or its load failed): its weights go unless variants still use them,
+        and a base it held goes too when no engine and no other variant uses it."""
         with self._lock:
-            self.device.pop(model, None)
+            entry = self.device.get(model)
+            if entry is not None and entry.holders:
+                entry.engine = False
+                entry.pinned = False
+            else:
+                self.device.pop(model, None)
+                self.weights.pop(model, None)
+            for name, e in list(self.device.items()):
+                if model in e.holders:
+                    e.holders.discard(model)
+                    if not e.holders and not e.engine:
+                        self.device.pop(name)
+                        self.weights.pop(name, None)
+
+    def shared_weights(self, model: str, build):
+        """model's weights in memory: the ones already there (its engine's, or held for its
+        variants), else build() -> weights, kept for every engine that asks next. One build at a
+        time per model, so two variants asking for one base load it once."""
+        with self._lock:
+            lock = self._build_locks.setdefault(model, threading.Lock())
+        with lock:
+            with self._lock:
+                if model in self.weights:
+                    return self.weights[model]
+            weights = build()
+            with self._lock:
+                self.weights[model] = weights
+            return weights
+
+    def has_weights(self, model: str) -> bool:
+        with self._lock:
+            return model in self.weights
 
     def set_pinned(self, model: str, pinned: bool) -> None:
         with self._lock:
@@ -147,7 +217,10 @@ class WeightCache:
         with self._lock:
             return {
                 "device": {"budget_bytes": self.device_budget, "used_bytes": sum(e.nbytes for e in self.device.values()),
-                           "models": sorted(self.device), "cache_size": self.config.cache_size},
+                           "models": sorted(self.device), "cache_size": self.config.cache_size,
+                           # M6: base -> the variants on the device that share its weights
+                           "shared_bases": {m: sorted(e.holders) for m, e in sorted(self.device.items()) if e.holders},
+                           "held_bases": sorted(m for m, e in self.device.items() if not e.engine)},
                 "host": {"budget_bytes": self.config.host_bytes,
                          "used_bytes": sum(c.nbytes for c in self.host.values()), "models": list(self.host),
                          "compression": self.config.compression},
