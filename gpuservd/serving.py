@@ -538,7 +538,9 @@ class Serving:
             path = int8_path(model_dir)
             if not path.exists():
                 write_int8(reader, model_dir)
+            self.cache.bytes_loaded["disk"] += path.stat().st_size
             return Int8Reader(path), "disk-int8"
+        self.cache.bytes_loaded["disk"] += sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
         return reader, "disk"
 
     def _keep_host_copy(self, name: str, model_dir) -> None:

@@ -14,7 +14,7 @@ from console.widgets import NOT_REPORTED, Panel, fmt_bytes
 COLUMNS = ["model", "state", "pinned", "device", "KV blocks", "run", "wait", "in flight", "steps", "context"]
 
 
-def load_progress(state, name: str) -> str:
+def load_progress(state, name: str, m: dict | None = None) -> str:
     """From the model's latest model_load event: its phase, and its layers when the daemon reports them."""
     events = [e for e in state.log("model_load") if e.get("model") == name]
     if not events:
@@ -23,8 +23,12 @@ def load_progress(state, name: str) -> str:
     text = f"last load: {e.get('phase')}"
     if e.get("load_s") is not None:
         text += f" in {e['load_s']:.2f} s"
-    if e.get("num_layers"):
-        text += f", layer {e.get('layers_loaded', 0)}/{e['num_layers']}"
+    if e.get("tier"):
+        text += f" from the {e['tier']} tier"
+    if e.get("layers_loaded") is not None and e.get("num_layers"):
+        text += f", layer {e['layers_loaded']}/{e['num_layers']}"
+    elif m and m.get("num_layers"):
+        text += f", layers {m.get('layers_ready', 0)}/{m['num_layers']} on the device"
     elif e.get("phase") == "start":
         text += f" (layer-by-layer progress {NOT_REPORTED})"
     if e.get("error"):
@@ -32,19 +36,59 @@ def load_progress(state, name: str) -> str:
     return text
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def cache_summary(cache: dict) -> list[str]:
+    """The daemon-wide weight cache in two or three short lines."""
+    dev, host = cache.get("device") or {}, cache.get("host") or {}
+    lines = [f"device {fmt_bytes(dev.get('used_bytes', 0))} / {fmt_bytes(dev.get('budget_bytes', 0))}, "
+             f"{len(dev.get('models', []))}/{dev.get('cache_size', '-')} models; host "
+             f"{fmt_bytes(host.get('used_bytes', 0))} / {fmt_bytes(host.get('budget_bytes', 0))}"
+             + (f" ({host['compression']})" if host.get("compression") not in (None, "none") else "")]
+    rate = cache.get("hit_rate") or {}
+    line = f"hit rate: device {_pct(rate.get('device'))}, host {_pct(rate.get('host'))}; policy {cache.get('policy', '-')}"
+    line += f", {cache.get('load_strategy', '-')} loads"
+    pf = cache.get("prefetch") or {}
+    if pf.get("enabled"):
+        line += f"; prefetch {pf.get('used', 0)}/{pf.get('issued', 0)} used ({_pct(pf.get('accuracy'))})"
+    lines.append(line)
+    return lines
+
+
+def versions_text(status: dict, name: str) -> str:
+    table = status.get("versions")
+    if table is None:
+        return NOT_REPORTED
+    parts = []
+    for alias, entry in table.items():
+        weights = entry.get("weights") or {}
+        if alias != name and name not in weights:
+            continue
+        total = sum(weights.values()) or 1.0
+        served = entry.get("served") or {}
+        parts.append(f"{alias} -> " + ", ".join(f"{v} {100 * w / total:.0f}% (served {served.get(v, 0)})"
+                                                for v, w in weights.items()))
+    return "; ".join(parts) or "none (served as itself)"
+
+
 def cache_text(state, m: dict | None) -> str:
     status = state.status or {}
     if m is None:
         return "no model selected"
-    lines = [f"{m['name']}: {load_progress(state, m['name'])}"]
+    lines = [f"{m['name']}: {load_progress(state, m['name'], m)}"]
     tiers = m.get("tiers")
     lines.append("residency: " + (", ".join(f"{k} {fmt_bytes(v) if isinstance(v, (int, float)) else v}"
-                                           for k, v in tiers.items()) if tiers else f"per tier {NOT_REPORTED}"))
+                                           for k, v in tiers.items() if v is not None) if tiers
+                                 else f"per tier {NOT_REPORTED}"))
     lines.append("bytes: " + (fmt_bytes(m["weights_bytes"]) if m.get("weights_bytes") is not None else NOT_REPORTED))
     cache = status.get("weight_cache")
-    lines.append("weight cache: " + (", ".join(f"{k} {v}" for k, v in cache.items()) if cache else NOT_REPORTED))
-    version = m.get("version")
-    lines.append("version / canary: " + (f"{version} weight {m.get('canary_weight', '-')}" if version else NOT_REPORTED))
+    if cache:
+        lines += ["weight cache: " + cache_summary(cache)[0], *cache_summary(cache)[1:]]
+    else:
+        lines.append("weight cache: " + NOT_REPORTED)
+    lines.append("version / canary: " + versions_text(status, m["name"]))
     return "\n".join(lines)
 
 
