@@ -37,14 +37,11 @@ def test_layered_load_serves_before_the_last_layer_lands_and_is_exact(tiny_model
             time.sleep(0.3)
         landed.append(i)
 
-    t0 = time.perf_counter()
     eng = engine(tiny_model_dir, initial_layers=1, on_layer=slow)
-    built = time.perf_counter() - t0
     gate = eng.runner.weights.gate
     assert gate is not None and gate.num_ready < 3  # the engine exists before every layer does
     assert eng.generate(PROMPTS, PARAMS) == reference  # the forward waited per layer
     assert landed == [0, 1, 2] and gate.num_ready == 3
-    assert built < 0.6  # returned without waiting for the two slow layers (0.6 s of sleeps)
 
 
 def test_layered_load_failure_surfaces_at_the_layer(tiny_model_dir):
