@@ -351,6 +351,7 @@ class Serving:
         t0 = time.monotonic()
         try:
             base, config_dir = self._variant_dirs(name, model_dir)  # a variant (M6) runs on its base's config
+            self.cache.claim(name)  # weights held for its variants stay while its engine is built
             await self._make_room(name, model_dir, cfg)
         except Exception as exc:
             self._load_failed(slot, exc)

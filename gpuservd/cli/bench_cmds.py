@@ -134,3 +134,20 @@ def cache_trace(
 
     out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-cache-trace"
     typer.echo(markdown(run_cache_trace(out, _batches(sizes), requests, seed)))
+
+
+@app.command("variant-load")
+def variant_load(
+    model: str = typer.Option("smollm2", "--model", "-m", help="Base model in the store."),
+    rank: int = typer.Option(8, "--rank", min=1, help="Rank of the random LoRA adapter."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Runs per measurement (medians reported)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-variant-<model>)."),
+) -> None:
+    """Loading a variant whose base is resident (M6): bytes and time against a full load."""
+    import time
+
+    from gpuservd.bench.variant_load import markdown, run_variant_load
+
+    out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-variant-{model}"
+    typer.echo(markdown(run_variant_load(model, out, rank, repeats, threads, log=lambda m: typer.echo(m, err=True))))

@@ -68,6 +68,8 @@ def ls(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of
         table.add_column(column, justify="right" if column in ("parameters", "on disk", "layers") else "left")
     for info in infos:
         architecture = f"DAMAGED: {info.error}" if info.error else info.architecture
+        if info.base and not info.error:
+            architecture += f" ({info.variant_kind} over {info.base})"
         table.add_row(info.name, architecture, format_count(info.num_parameters), info.dtype,
                       format_bytes(info.bytes_on_disk), str(info.num_layers))
     console.print(table)
@@ -83,6 +85,42 @@ def import_cmd(
     info = ModelStore().import_dir(path, name, overwrite=overwrite)
     _console().print(f"imported {info.name}: {info.architecture}, {format_count(info.num_parameters)} "
                      f"parameters, {info.dtype}, {format_bytes(info.bytes_on_disk)} at {info.path}", markup=False)
+
+
+@app.command("derive")
+def derive(
+    name: str = typer.Argument(..., help="Name of the new variant: [a-z0-9][a-z0-9._-]*."),
+    base: str = typer.Option(..., "--base", "-b", help="The full model in the store it is derived from."),
+    adapter: Path = typer.Option(..., "--adapter", "-a", help="A PEFT LoRA adapter directory (adapter_config.json "
+                                 "+ adapter_model.safetensors) or a full-rank delta (delta_model.safetensors)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing model of that name."),
+) -> None:
+    """Register a variant: a base model plus a LoRA adapter or full-rank delta (only the delta is stored)."""
+    info = ModelStore().derive(name, base, adapter, overwrite=overwrite)
+    _console().print(f"derived {info.name}: {info.variant_kind} over {info.base}, {format_count(info.num_parameters)} "
+                     f"delta parameters, {info.dtype}, {format_bytes(info.bytes_on_disk)} at {info.path}", markup=False)
+
+
+@app.command("make-adapter")
+def make_adapter_cmd(
+    base: str = typer.Option(..., "--base", "-b", help="The model in the store the adapter is shaped for."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write the adapter into."),
+    kind: str = typer.Option("lora", "--kind", help="lora (PEFT layout) or delta (full rank)."),
+    rank: int = typer.Option(8, "--rank", "-r", help="LoRA rank."),
+    alpha: float = typer.Option(16.0, "--alpha", help="LoRA alpha (scale = alpha / rank)."),
+    targets: str = typer.Option("q_proj,k_proj,v_proj,o_proj", "--targets",
+                                help="Comma list of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    std: float = typer.Option(0.02, "--std", help="Standard deviation of B (LoRA) or dW (delta)."),
+) -> None:
+    """Write a random test adapter for a store model (random B, unlike PEFT's zero init, so it changes the model)."""
+    from gpuservd.weights.delta import make_adapter  # torch: only for this command
+
+    store = ModelStore()
+    path = make_adapter(store.base_dir(base), out, kind=kind, rank=rank, alpha=alpha,
+                        targets=tuple(t.strip() for t in targets.split(",") if t.strip()), seed=seed, std=std)
+    _console().print(f"wrote a random {kind} adapter for {base} to {path}; register it with "
+                     f"`gpuserv models derive NAME --base {base} --adapter {path}`", markup=False)
 
 
 @app.command("rm")

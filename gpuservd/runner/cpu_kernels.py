@@ -37,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemv.cpp"]
 HEADERS = [CSRC / "simd.h"]
 ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 

@@ -1,17 +1,28 @@
 """Linear layers, with the fastest kernel the device offers.
 
-On the CPU, oneDNN's inner product with weights reordered once at load time
-(its blocked layout) is 1.7-4x faster than `F.linear` (MKL sgemm, which
-repacks the weight on every call) for the small row counts of decode: on this
-project's 2-core AVX2 machine, all of SmolLM2's matmuls take 27 ms at batch 1
-and 55 ms at batch 32 with oneDNN, against 46 ms and 110 ms with `F.linear`.
-Elsewhere (CUDA, or a torch built without oneDNN) `F.linear` is used.
+One copy of each weight, dense [out, in] as the checkpoint stores it, serves
+both kinds of call on the CPU:
+- decode-sized row counts (<= GEMV_MAX_ROWS) go to the C++ kernel `gemv`
+  (csrc/gemv.cpp), which streams W once at close to memory bandwidth: at
+  batch 1 a matmul is a pass over its weights, and oneDNN's inner product
+  reached ~18 GB/s of the machine's ~30-45;
+- larger row counts (prefill chunks, big decode batches) go to oneDNN's inner
+  product on the same dense weight (within ~5% of oneDNN with its own reordered
+  weight from 64 rows up, measured; `F.linear`/MKL was 10-25% slower).
+Keeping the oneDNN-reordered weight as well would double the model's memory;
+dropping the dense one (as before) left the GEMV nothing it could stream, and
+kept a second copy of a tied embedding for the LM head (113 MB on SmolLM2).
+Without oneDNN (CUDA, or a torch built without it) `F.linear` takes the rows
+the kernel does not; without the C++ kernels (GPUSERV_CPU_KERNELS=0, no
+compiler) everything goes to oneDNN / `F.linear`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from gpuservd.runner import cpu_kernels
 
 # oneDNN builds and caches one kernel per distinct row count. Rows above EXACT_ROWS
 # (prefill chunks) are padded up to a multiple of ROW_BUCKET, so a long-running
@@ -21,6 +32,12 @@ import torch.nn.functional as F
 # than the kernel cache saves.
 EXACT_ROWS = 64
 ROW_BUCKET = 32
+# Row counts up to this go to the GEMV kernel. On the 2-core EPYC (one layer's four
+# SmolLM2 matmuls, 1 thread): it beats oneDNN-with-reordered-weights up to ~8 rows and
+# oneDNN on the dense weight up to ~32; 16 keeps it where it also stays within ~20%
+# of the reordered oneDNN it replaced (bench/results/2026-11-29-cpu-gemv).
+GEMV_MAX_ROWS = 16
+GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -33,18 +50,29 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x @ W^T + b for x [T, in]; W [out, in] as stored in the checkpoint."""
+    """y = x @ W^T + b for x [T, in]; W [out, in] as stored in the checkpoint (kept as given,
+    so a tied LM head shares the embedding's storage)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = False):
-        self.bias = bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = False,
+                 use_gemv: bool | None = None):
+        self.weight = weight if weight.is_contiguous() else weight.contiguous()
+        self.bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
         self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
-        self.onednn = use_onednn
-        # The reordered weight is an opaque oneDNN tensor; the dense one is dropped.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if use_onednn else weight
+        self.onednn = use_onednn  # rows the GEMV does not take go to oneDNN (dense weight), else F.linear
+        if use_gemv is None:
+            use_gemv = weight.device.type == "cpu" and weight.dtype in GEMV_DTYPES
+        self._gemv = cpu_kernels.get() if use_gemv else None
+
+    @property
+    def gemv(self) -> bool:
+        """Whether decode-sized row counts run on the C++ GEMV kernel."""
+        return self._gemv is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self._gemv is not None and rows <= GEMV_MAX_ROWS and x.dim() == 2:
+            return self._gemv.gemv(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         if self.onednn:
-            rows = x.shape[0]
             if rows > EXACT_ROWS and rows % ROW_BUCKET:
                 pad = ROW_BUCKET - rows % ROW_BUCKET
                 x = torch.cat([x, x.new_zeros(pad, x.shape[1])])

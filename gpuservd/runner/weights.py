@@ -75,7 +75,7 @@ class ModelWeights:
 
     embed: torch.Tensor  # [V, D]
     final_norm: torch.Tensor  # [D]
-    lm_head: Linear  # D -> V; shares embed's storage when tied (unless reordered for oneDNN)
+    lm_head: Linear  # D -> V; shares embed's storage when tied
     layers: list[LayerWeights | None]
     gate: LayerGate | None = None  # set while layers stream in (load_strategy: layered)
     expected_nbytes: int = 0  # what all layers will take (known before a layered load ends)

@@ -143,6 +143,14 @@ class WeightCache:
                 entry = self.device[base] = DeviceEntry(nbytes, False, time.monotonic(), engine=False)
             entry.holders.add(holder)
 
+    def claim(self, model: str) -> None:
+        """model's own engine is being built over weights held for its variants: they stay when
+        those variants leave meanwhile (its load failing gives them up, through device_evicted)."""
+        with self._lock:
+            entry = self.device.get(model)
+            if entry is not None:
+                entry.engine = True
+
     def device_evicted(self, model: str) -> None:
         """model's engine left (or its load failed): its weights go unless variants still use them,
         and a base it held goes too when no engine and no other variant uses it."""
