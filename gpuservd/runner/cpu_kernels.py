@@ -6,6 +6,8 @@
 - `rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_store_kv`: the decoder
   layer's elementwise steps fused one op each (fused_ops.cpp), because at
   decode batch sizes torch's dispatch and allocations cost more than the math.
+- `gemv`: y = x @ W^T + b for decode-sized row counts on the dense weight,
+  streamed once at close to memory bandwidth (gemv.cpp; Linear routes rows).
 
 They are compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja;
 about 10 s on a 2-core machine) into torch's extension directory
@@ -56,7 +58,11 @@ def _cpu_flags() -> set[str]:
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-std=c++20"]
+    # -fopenmp: at::parallel_for is a header template that only forks when the
+    # including file is compiled with OpenMP; without it every kernel ran on one
+    # thread. The extension links libgomp.so.1, which resolves to the copy torch
+    # has already loaded (same soname), so there is one OpenMP thread pool.
+    flags = ["-O3", "-std=c++20", "-fopenmp"]
     if {"avx2", "fma", "f16c"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
@@ -100,8 +106,8 @@ def _load() -> object:
 
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, build_directory=str(build_dir),
-         is_python_module=False, verbose=False)
+    load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+         build_directory=str(build_dir), is_python_module=False, verbose=False)
     _state["build_s"] = time.perf_counter() - t0
     log.info("built the CPU kernels in %.1f s (%s)", _state["build_s"], build_dir)
     return torch.ops.gpuserv
