@@ -99,15 +99,18 @@ def record(client, out_path: Path, seconds: float | None, with_prompts: bool = F
         connected.wait(30)
         if failed:
             raise failed[0]
-        log(f"recording to {out_path}" + (f" for {seconds:g} s" if seconds else " until Ctrl-C"))
-        try:
+        try:  # a Ctrl-C right after the "recording" line must end the recording too
+            log(f"recording to {out_path}" + (f" for {seconds:g} s" if seconds else " until Ctrl-C"))
             deadline = time.monotonic() + seconds if seconds else None
             while reader.is_alive() and (deadline is None or time.monotonic() < deadline):
                 reader.join(0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic())))
         except KeyboardInterrupt:
             pass
         stop.set()
-        client.close()
+        # Closing the client while the reader thread sits in a streaming read can block on the
+        # connection pool; close it on a daemon thread so stopping never hangs (the process or the
+        # caller goes on; the daemon drops the stream when the socket closes).
+        threading.Thread(target=client.close, name="record-close", daemon=True).start()
         if failed:
             raise failed[0]
     return rec

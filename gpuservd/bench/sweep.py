@@ -108,7 +108,7 @@ def _measure(engine, batch: int, prompt_tokens: int, steps: int, chunk: int, rng
         raise RuntimeError(f"batch {batch}: only {len(good)} clean steps in {engine.telemetry.num_steps - first}; "
                            "raise the KV cache or max_num_seqs")
     step_s = statistics.median(r.wall_s for r in good)
-    return {"batch": batch, "step_ms": round(1000 * step_s, 3), "tokens_s": round(batch / step_s, 2),
+    return {"batch": batch, "step_ms": round(1000 * step_s, 6), "tokens_s": round(batch / step_s, 2),
             "forward_ms": round(1000 * statistics.median(r.forward_s for r in good), 3), "num_steps": len(good)}
 
 
