@@ -95,20 +95,25 @@ def _set_kernels(runner: ModelRunner, ops, on: bool):
     cpu_kernels._state["ops"] = ops if on else None  # attention asks cpu_kernels.get()
 
 
-def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int, threads: int) -> dict:
-    ops = cpu_kernels.get()
+def ab_decode_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int, threads: int,
+                    modes: dict) -> dict[str, list[float]]:
+    """Decode steps of `batch` sequences at context `ctx` under two modes, alternating blocks of
+    `steps` steps (ABBA order, `rounds` blocks each after one warm-up block). modes: name -> a
+    function that switches the runner to it; the first mode is switched back to at the end.
+    Returns each mode's step times in seconds (wall with 2+ threads, process CPU time with 1)."""
     torch.set_num_threads(threads)
     clock = time.perf_counter if threads > 1 else time.process_time
-    tables = [runner.cache.pool.allocate(-(-(ctx + steps * rounds * 2 + 8) // BLOCK)) for _ in range(batch)]
+    a, b = modes
+    tables = [runner.cache.pool.allocate(-(-(ctx + steps * (rounds * 2 + 1) + 8) // BLOCK)) for _ in range(batch)]
     prompt = [(11 + 7 * i) % 4000 + 3 for i in range(ctx)]
     for t in tables:
         runner.execute([SeqChunk(prompt, 0, t, True)])
     pos = [ctx] * batch
-    times = {"kernels": [], "torch": []}
+    times = {a: [], b: []}
     try:
         for r in range(rounds * 2 + 1):
-            mode = ("kernels", "torch")[r % 2] if r % 4 < 2 else ("torch", "kernels")[r % 2]
-            _set_kernels(runner, ops, mode == "kernels")
+            mode = (a, b)[r % 2] if r % 4 < 2 else (b, a)[r % 2]
+            modes[mode]()
             for s in range(steps):
                 chunks = [SeqChunk([5], pos[i], tables[i], True) for i in range(batch)]
                 t0 = clock()
@@ -117,9 +122,17 @@ def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int
                     times[mode].append(clock() - t0)
                 pos = [p + 1 for p in pos]
     finally:
-        _set_kernels(runner, ops, True)
+        modes[a]()
         for t in tables:
             runner.cache.pool.free(t)
+    return times
+
+
+def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int, threads: int) -> dict:
+    ops = cpu_kernels.get()
+    times = ab_decode_steps(runner, batch, ctx, steps, rounds, threads,
+                            {"kernels": lambda: _set_kernels(runner, ops, True),
+                             "torch": lambda: _set_kernels(runner, ops, False)})
     k_ms = statistics.median(times["kernels"]) * 1e3
     t_ms = statistics.median(times["torch"]) * 1e3
     return {"batch": batch, "ctx": ctx, "threads": threads, "clock": "wall" if threads > 1 else "process_cpu",

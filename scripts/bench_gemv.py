@@ -35,9 +35,10 @@ import torch
 from gpuservd.bench.floor import ForeignLoad, measure_read_bandwidth, weight_bytes_per_decode_step
 from gpuservd.paths import models_root
 from gpuservd.runner import cpu_kernels
-from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.linear import GEMV_MAX_ROWS, Linear
 from gpuservd.runner.model_runner import ModelRunner
+
+from bench_cpu_kernels import ab_decode_steps  # scripts/ is on sys.path when run as a script
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -104,30 +105,8 @@ def _swap_linears(weights, table: dict[int, object]):
 
 
 def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int, threads: int,
-              swap: dict[str, callable]) -> dict:
-    torch.set_num_threads(threads)
-    clock = _clock(threads)
-    tables = [runner.cache.pool.allocate(-(-(ctx + steps * (2 * rounds + 1) + 8) // BLOCK)) for _ in range(batch)]
-    prompt = [(13 + 5 * i) % 4000 + 3 for i in range(ctx)]
-    for t in tables:
-        runner.execute([SeqChunk(prompt, 0, t, True)])
-    pos = [ctx] * batch
-    times = {"gemv": [], "onednn_reordered": []}
-    try:
-        for r in range(2 * rounds + 1):
-            mode = ("gemv", "onednn_reordered")[r % 2] if r % 4 < 2 else ("onednn_reordered", "gemv")[r % 2]
-            swap[mode]()
-            for _ in range(steps):
-                chunks = [SeqChunk([7], pos[i], tables[i], True) for i in range(batch)]
-                t0 = clock()
-                runner.execute(chunks)
-                if r:  # round 0 warms up
-                    times[mode].append(clock() - t0)
-                pos = [p + 1 for p in pos]
-    finally:
-        swap["gemv"]()
-        for t in tables:
-            runner.cache.pool.free(t)
+              modes: dict) -> dict:
+    times = ab_decode_steps(runner, batch, ctx, steps, rounds, threads, modes)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"batch": batch, "ctx": ctx, "threads": threads, "clock": "wall" if threads > 1 else "process_cpu",
             "steps_each": len(times["gemv"]), "gemv_ms": round(med["gemv"], 2),
@@ -185,14 +164,14 @@ def main():
                     _swap_linears(w, to_old if mode == "onednn_reordered" else to_new)
                     state["mode"] = mode
 
-            swap = {"gemv": lambda: go("gemv"), "onednn_reordered": lambda: go("onednn_reordered")}
+            modes = {"gemv": lambda: go("gemv"), "onednn_reordered": lambda: go("onednn_reordered")}
             steps = []
             cases = [(1, 64), (8, 128)] if args.quick else [(1, 64), (1, 512), (4, 128), (8, 128), (16, 128),
                                                              (32, 128)]
             for threads in (2, 1):
                 for batch, ctx in cases:
                     steps.append(step_case(runner, batch, ctx, 4 if args.quick else 8, 2 if args.quick else 4,
-                                           threads, swap))
+                                           threads, modes))
                     print(json.dumps(steps[-1]), flush=True)
             config = json.loads((model_dir / "config.json").read_text())
             wbytes = weight_bytes_per_decode_step(config, 4)

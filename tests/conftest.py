@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,3 +32,16 @@ def smollm2_dir(real_store_home) -> Path:
     if real_store_home is None:
         pytest.skip("SmolLM2 is not in the store (run `gpuserv pull smollm2`)")
     return real_store_home / "models" / "smollm2"
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """The C++ CPU kernels' op namespace; a test failure when a compiler is there and they did not load."""
+    from gpuservd.runner import cpu_kernels
+
+    ops = cpu_kernels.get()
+    if ops is None:
+        if shutil.which("g++") or shutil.which("c++"):
+            pytest.fail(f"a compiler is present but the kernels did not load: {cpu_kernels.status()['reason']}")
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    return ops

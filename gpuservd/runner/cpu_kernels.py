@@ -15,7 +15,9 @@ about 10 s on a 2-core machine) into torch's extension directory
 that hashes the source, the flags and the torch version, so a later process
 finds the built library and loads it directly without importing the build
 machinery. AVX2/FMA/F16C code is compiled only where the CPU reports those
-flags; elsewhere the kernel's scalar loops are built.
+flags; elsewhere the kernel's scalar loops are built. Where it also has
+AVX-512F/VL the same 256-bit code is compiled with EVEX encoding, which gives
+gemv 32 vector registers for its register blocks (1.3x at 16-32 rows).
 
 Anything that goes wrong (no compiler, no ninja, a failed build or load) is
 logged once and `get()` returns None: the runner then takes its torch paths.
@@ -63,8 +65,11 @@ def _cflags() -> list[str]:
     # thread. The extension links libgomp.so.1, which resolves to the copy torch
     # has already loaded (same soname), so there is one OpenMP thread pool.
     flags = ["-O3", "-std=c++20", "-fopenmp"]
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+    cpu = _cpu_flags()
+    if {"avx2", "fma", "f16c"} <= cpu:
         flags += ["-mavx2", "-mfma", "-mf16c"]
+        if {"avx512f", "avx512vl"} <= cpu:  # 32 vector registers for gemv's register blocks; 256-bit math
+            flags += ["-mavx512f", "-mavx512vl", "-mprefer-vector-width=256"]
     return flags
 
 

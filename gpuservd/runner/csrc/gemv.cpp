@@ -87,7 +87,12 @@ inline void micro(const T* __restrict w, int64_t K, const T* __restrict x, int64
 template <int TT, typename T>
 void rows_tt(const T* w, int64_t K, int64_t N, const T* x, int64_t ldx, const T* bias, T* y, int64_t ldy,
              int64_t r0, int64_t r1) {
+#if defined(__AVX512VL__)
+  // 32 ymm registers (EVEX encoding): 4 rows x 4 x rows keeps 16 accumulators in flight.
+  constexpr int RMAX = 4;
+#else
   constexpr int RMAX = TT <= 2 ? 4 : 2;  // R = 3 at TT = 3-4 spilled registers: 2x slower
+#endif
   const int64_t ahead = std::max<int64_t>(RMAX, kPrefetchBytes / (K * int64_t(sizeof(T))));
   int64_t r = r0;
   for (; r + RMAX <= r1; r += RMAX) {
