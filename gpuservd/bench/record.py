@@ -13,6 +13,7 @@ token are skipped: their lengths would not replay what happened.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from pathlib import Path
@@ -70,6 +71,19 @@ class Recorder:
                 self.models[line["model"]] = self.models.get(line["model"], 0) + 1
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM end a recording. Set explicitly: a process started in the
+    background by a non-interactive shell inherits SIGINT ignored, and Python keeps that."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def record(client, out_path: Path, seconds: float | None, with_prompts: bool = False, log=print) -> Recorder:
     """Record until `seconds` pass (None: until Ctrl-C); the stream is read on a helper thread so an idle
     daemon does not hold the recording open past its time."""
@@ -94,6 +108,7 @@ def record(client, out_path: Path, seconds: float | None, with_prompts: bool = F
                 connected.set()
 
         stop = threading.Event()
+        _stop_on_signals()
         reader = threading.Thread(target=read, name="record", daemon=True)
         reader.start()
         connected.wait(30)
