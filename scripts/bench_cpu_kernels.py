@@ -140,23 +140,34 @@ def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int
             "torch_ms": round(t_ms, 2), "speedup": round(t_ms / k_ms, 2)}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_command_line(doc: str, reps: int, render) -> argparse.Namespace | None:
+    """The A/B scripts' shared command line: --out DIR, --render DIR (rewrites DIR/result.md from
+    DIR/result.json with render(result) and returns None), --reps, --model, --quick. Also checks
+    that the C++ kernels load (exits if not)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", type=Path, help="where to write result.json and result.md")
     ap.add_argument("--render", type=Path, help="only rewrite DIR/result.md from DIR/result.json")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions (a smoke run)")
     args = ap.parse_args()
     if args.render:
-        (args.render / "result.md").write_text(render_md(json.loads((args.render / "result.json").read_text())))
-        return
+        (args.render / "result.md").write_text(render(json.loads((args.render / "result.json").read_text())))
+        return None
     if not args.out:
         ap.error("--out or --render is required")
-    torch.set_num_threads(2)
     status = cpu_kernels.status()
     if not status["loaded"]:
         raise SystemExit(f"the C++ kernels did not load: {status['reason']}")
+    return args
+
+
+def main():
+    args = bench_command_line(__doc__, 20, render_md)
+    if args is None:
+        return
+    torch.set_num_threads(2)
+    status = cpu_kernels.status()
 
     attn = []
     ctxs = [128, 512, 2048] if args.quick else [128, 512, 1024, 2048, 4096]

@@ -21,7 +21,6 @@ Times: 1 thread as process CPU time (hardly moved by other jobs on a shared mach
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -38,7 +37,7 @@ from gpuservd.runner import cpu_kernels
 from gpuservd.runner.linear import GEMV_MAX_ROWS, Linear
 from gpuservd.runner.model_runner import ModelRunner
 
-from bench_cpu_kernels import ab_decode_steps  # scripts/ is on sys.path when run as a script
+from bench_cpu_kernels import ab_decode_steps, bench_command_line  # scripts/ is on sys.path when run as a script
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -115,21 +114,9 @@ def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--render", type=Path, help="only rewrite DIR/result.md from DIR/result.json")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    if args.render:
-        (args.render / "result.md").write_text(render_md(json.loads((args.render / "result.json").read_text())))
+    args = bench_command_line(__doc__, 15, render_md)
+    if args is None:
         return
-    if not args.out:
-        ap.error("--out or --render is required")
-    status = cpu_kernels.status()
-    if not status["loaded"]:
-        raise SystemExit(f"the C++ kernels did not load: {status['reason']}")
 
     result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

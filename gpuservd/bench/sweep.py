@@ -86,9 +86,8 @@ def _measure(engine, batch: int, prompt_tokens: int, steps: int, chunk: int, rng
     """Median step of `steps` steps with exactly `batch` decode tokens (and a `chunk`-token prefill when chunk)."""
     vocab = len(engine.tokenizer)
     first = engine.telemetry.num_steps
-    # Long enough to outlast the measurement after the batch's own prefill (spread over several steps),
-    # and no longer: on this engine a request's max_tokens changes its decode step time (measured on
-    # SmolLM2: 29 ms per step with max_tokens 40, ~500 ms with 8000), so a huge limit would time that.
+    # Long enough to outlast the measurement after the batch's own prefill (spread over several steps);
+    # no longer, so that a sequence never holds (or is checked against) more than it will use.
     prefill_steps = -(-batch * prompt_tokens // engine.config.scheduler.max_prefill_tokens)
     max_tokens = min(engine.max_model_len - prompt_tokens, prefill_steps + 2 * steps + 16)
     for i in range(batch):
