@@ -1,8 +1,8 @@
 """A variant's weights (M6): a shared base's ModelWeights plus a delta applied at run time.
 
-The base's tensors are never copied or changed: on the CPU they are oneDNN-reordered
-opaque tensors (nothing can be added to them after load), and the base's own engine
-and every other variant read the same objects. A targeted projection becomes a
+The base's tensors are never copied or changed: the base's own engine and every
+other variant read the same objects, so adding a delta into them would change
+every model that shares them. A targeted projection becomes a
 `DeltaLinear`: y = base(x) + delta(x), where the delta is
 - LoRA (unmerged): scale * B (A x); the A of every adapter on one fused projection
   are stacked so x meets them in one matmul, then each B adds into its slice of

@@ -5,8 +5,7 @@ in memory, shared *by reference* between the base's engine and the engines of it
 variants; the device tier counts its bytes once (under the base's name), and each
 variant's entry counts only its delta. A variant's delta is applied at run time,
 unmerged (runner/delta.py), because merging would need a private copy of every
-targeted base matrix (and on the CPU the base is a oneDNN-reordered tensor that
-cannot be added to). So loading a variant whose base is resident reads only the
+targeted base matrix (the shared one must not change: other models read it). So loading a variant whose base is resident reads only the
 adapter file: `VariantSource` never opens the base's safetensors. When only the
 variant is asked for, the daemon loads the base's weights first as a hidden
 dependency (device entry without an engine of its own), see serving.load.
