@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from textual.app import App, ScreenStackError
 from textual.binding import Binding
+from textual.css.query import NoMatches
 
 from gpuservd.errors import UserError
 
@@ -71,9 +72,12 @@ class ConsoleApp(App):
             return
         if self.state.version == self._drawn_version or not isinstance(screen, ConsoleScreen):
             return
+        try:
+            screen.redraw()
+        except NoMatches:  # its widgets are not mounted yet (or no longer): the next tick draws it
+            return
         self._drawn_version = self.state.version
         self.num_redraws += 1
-        screen.redraw()
 
     def action_show(self, name: str) -> None:
         if self.current_mode != name:

@@ -296,3 +296,24 @@ def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs
     assert s.host is None or s.host.num_free == s.host.num_blocks
     finished = [r for r in done if len(r.output_token_ids) >= r.params.max_tokens]
     assert len(finished) + len([i for i in cancel if i < len(requests)]) >= len(requests)
+
+
+def test_paused_requests_blocks_do_not_starve_the_running_one():
+    """Found by the property test: two requests kept taking turns dropping their own oldest block,
+    because the running one preempted itself instead of taking the blocks a paused one kept."""
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_prefill_tokens=1,
+                       policy="priority", preemption=PreemptionConfig(
+                           victim_policy="newest", min_exec_s=0, max_preemptions=2, mode="on",
+                           granularity="request", memory_threshold=1.0, outrank_ratio=2.0))
+    spec = [(1, 1, 0, 0)] * 4 + [(2, 12, 0, 0), (4, 10, 1, 1), (6, 12, 0, 0)]
+    reqs = [Request(f"r{i}", [5] * p, SamplingParams(max_tokens=m), priority=pr, arrival_time=i)
+            for i, (p, m, pr, _) in enumerate(spec)]
+    done, step = [], 0
+    while len(done) < len(reqs):
+        for r, (_, _, _, at) in zip(reqs, spec):
+            if at == step:
+                s.add(r)
+        run_step(s, done)
+        step += 1
+        assert step < 500, "two paused requests took turns forever"
+    assert s.pool.num_free == s.pool.num_blocks

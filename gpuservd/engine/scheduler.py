@@ -350,6 +350,9 @@ class Scheduler:
             if not self._within_tenant_blocks(req, num_new, out, now, scheduled):
                 continue
             while not self._grow(req, num_new):
+                short = self._blocks_needed(req, num_new) - self.pool.num_free
+                if self._reclaim_from_waiting(None, short, set(out.preempted_ids)):
+                    continue  # blocks kept by paused requests come before a running victim's
                 candidates = [r for r in self.running if id(r) not in scheduled]
                 victim = choose_victim(candidates, self.preemption, now)
                 if victim is None:
@@ -452,11 +455,13 @@ class Scheduler:
             return True
         return self._grow(req, num_new)
 
-    def _reclaim_from_waiting(self, head: Request, need: int, keep: set[str]) -> bool:
-        """Free device blocks held by waiting requests ranked after `head` (kept tails, parked layers),
-        lowest-ranked first, by dropping their KV for a full recompute. True if `need` blocks were freed.
-        Without this, paused requests holding blocks could leave nothing for the one that must run."""
-        below = self.waiting[self.waiting.index(head) + 1:]
+    def _reclaim_from_waiting(self, head: Request | None, need: int, keep: set[str]) -> bool:
+        """Free device blocks held by waiting requests ranked after `head` (all of them when head is
+        None: a running request must grow), kept tails and parked layers, lowest-ranked first, by
+        dropping their KV for a full recompute. True if `need` blocks were freed. Without this, paused
+        requests holding blocks could leave nothing for the one that must run (two requests would
+        take turns dropping their own blocks forever: the property test found that)."""
+        below = self.waiting[self.waiting.index(head) + 1:] if head is not None else list(self.waiting)
         for r in reversed(below):
             if need <= 0:
                 break
