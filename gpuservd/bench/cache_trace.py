@@ -6,10 +6,10 @@ offline optimum, at several device cache sizes. See weights/trace_sim.py.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
+from gpuservd.bench.output import write_result
 from gpuservd.weights.trace_sim import belady, make_trace, replay
 
 
@@ -21,10 +21,7 @@ def run_cache_trace(out_dir: Path, sizes=(3, 5, 10, 15), num_requests: int = 600
         rows.append({"cache_size": k, "lru": lru["hit_rate"], "lru_prefetch": pre["hit_rate"],
                      "belady": opt["hit_rate"], "prefetch": pre["prefetch_stats"]})
     result = {"trace": meta, "rows": rows, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "result.md").write_text(markdown(result))
+    out = write_result(out_dir, result, markdown(result))
     _plot(out / "hit_rate.png", rows)
     return result
 

@@ -11,7 +11,6 @@ largest logit difference. Writes result.json, result.md and a bar chart.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -149,11 +148,9 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
               "threads": num_threads or torch.get_num_threads(), "summary": summary, "runs": runs,
               "int8_quality": quality, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "method": "page cache dropped (posix_fadvise DONTNEED) before each run; medians over repeats"}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "result.md").write_text(markdown(result))
-    _plot(out_dir / "cold_start.png", summary)
+    from gpuservd.bench.output import write_result
+
+    _plot(write_result(out_dir, result, markdown(result)) / "cold_start.png", summary)
     return result
 
 

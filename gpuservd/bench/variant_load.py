@@ -19,7 +19,6 @@ here the largest logit change the adapter makes is reported, to show it is not a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -197,8 +196,9 @@ def run_variant_load(model: str, out_dir: Path, rank: int = 8, repeats: int = 3,
                         "bytes counted at the tensor sources; fp32 compute"}
     raw = _raw_read_s(base_dir)
     result["raw_read_s"] = raw
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "result.md").write_text(markdown(result))
+    from gpuservd.bench.output import write_result
+
+    write_result(out_dir, result, markdown(result))
     return result
 
 

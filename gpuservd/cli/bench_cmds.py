@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from gpuservd.bench.output import run_dir
 from gpuservd.cli import daemon_cmds, remote
 from gpuservd.errors import UserError
 
@@ -110,12 +111,9 @@ def cold_start(
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cold-<model>)."),
 ) -> None:
     """Cold time to first token from disk: full vs layered vs layered + INT8 (M4, M5), and INT8 quality."""
-    import time
-
     from gpuservd.bench.cold import markdown, run_cold_start
 
-    out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-cold-{model}"
-    result = run_cold_start(model, out, prompt_tokens, initial_layers, repeats, threads,
+    result = run_cold_start(model, run_dir(out, f"cold-{model}"), prompt_tokens, initial_layers, repeats, threads,
                             log=lambda m: typer.echo(m, err=True))
     typer.echo(markdown(result))
 
@@ -128,12 +126,9 @@ def cache_trace(
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cache-trace)."),
 ) -> None:
     """Weight-cache hit rate on a 32-model trace: LRU, LRU + prefetch and Belady's optimum (M3, M9)."""
-    import time
-
     from gpuservd.bench.cache_trace import markdown, run_cache_trace
 
-    out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-cache-trace"
-    typer.echo(markdown(run_cache_trace(out, _batches(sizes), requests, seed)))
+    typer.echo(markdown(run_cache_trace(run_dir(out, "cache-trace"), _batches(sizes), requests, seed)))
 
 
 @app.command("variant-load")
@@ -145,9 +140,6 @@ def variant_load(
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-variant-<model>)."),
 ) -> None:
     """Loading a variant whose base is resident (M6): bytes and time against a full load."""
-    import time
-
     from gpuservd.bench.variant_load import markdown, run_variant_load
 
-    out = out or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-variant-{model}"
-    typer.echo(markdown(run_variant_load(model, out, rank, repeats, threads, log=lambda m: typer.echo(m, err=True))))
+    typer.echo(markdown(run_variant_load(model, run_dir(out, f"variant-{model}"), rank, repeats, threads, log=lambda m: typer.echo(m, err=True))))
