@@ -336,8 +336,10 @@ class Daemon:
                         sys.stdout.flush()
                     usage = delta.usage or usage
             tokens = usage["completion_tokens"] if usage else "?"
-            print(f"\ndemo: {tokens} tokens served through the socket; the daemon keeps serving "
-                  f"(Ctrl-C drains and stops)", flush=True)
+            # One write with its newline: the access log (stderr, another thread) must not land mid-line.
+            sys.stdout.write(f"\ndemo: {tokens} tokens served through the socket; the daemon keeps serving "
+                             "(Ctrl-C drains and stops)\n")
+            sys.stdout.flush()
         except UserError as exc:
             print(f"demo: {exc}", file=sys.stderr, flush=True)
 
