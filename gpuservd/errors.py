@@ -5,6 +5,8 @@ malformed workload file). The CLI prints its message on one line and exits with
 code 2, never a traceback; the daemon maps it to an HTTP 4xx.
 """
 
+import enum
+
 
 class UserError(Exception):
     """A mistake the user can fix; the message says what to fix."""
@@ -27,3 +29,16 @@ def parse_choice(enum_cls, name: str, setting: str):
     except ValueError:
         choices = ", ".join(c.value for c in enum_cls)
         raise UserError(f"{setting} {name!r} is unknown; choose one of: {choices}") from None
+
+
+class Choice(str, enum.Enum):
+    """A config setting with a fixed set of values: `class Mode(Choice, setting="preemption.mode")`;
+    `Mode.parse(text)` is the member, or a UserError naming the setting and every choice."""
+
+    def __init_subclass__(cls, setting: str = "", **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._setting = setting
+
+    @classmethod
+    def parse(cls, name: str):
+        return parse_choice(cls, name, cls._setting)

@@ -45,3 +45,13 @@ def ops():
             pytest.fail(f"a compiler is present but the kernels did not load: {cpu_kernels.status()['reason']}")
         pytest.skip("no C++ compiler: the kernels cannot be built here")
     return ops
+
+
+@pytest.fixture()
+def store_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
+    """A private GPUSERV_HOME with the tiny model imported as 'tiny'."""
+    monkeypatch.setenv("GPUSERV_HOME", str(tmp_path))
+    from gpuservd.store.store import ModelStore
+
+    ModelStore().import_dir(tiny_model_dir, "tiny")
+    return tmp_path

@@ -14,16 +14,6 @@ from gpuservd.cli.main import app
 runner = CliRunner()
 
 
-@pytest.fixture
-def store_home(tmp_path, monkeypatch, tiny_model_dir):
-    """A private GPUSERV_HOME with the tiny model imported as 'tiny'."""
-    monkeypatch.setenv("GPUSERV_HOME", str(tmp_path))
-    from gpuservd.store.store import ModelStore
-
-    ModelStore().import_dir(tiny_model_dir, "tiny")
-    return tmp_path
-
-
 def invoke(*args):
     """Run the CLI the way the console script does (main() turns UserError into exit 2)."""
     from gpuservd.cli import main as cli_main

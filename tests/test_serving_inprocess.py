@@ -7,58 +7,25 @@ only the requests it was running.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-import httpx
 import pytest
 
-from gpuservd.api.metrics import Metrics
-from gpuservd.api.server import build_app
-from gpuservd.daemon_config import daemon_config_from_dict
-from gpuservd.serving import Serving
-from gpuservd.tenants import TenantMap
+from inprocess_app import run_in_app
 
 BODY = {"model": "tiny", "prompt": "the capital", "max_tokens": 3, "ignore_eos": True}
 
 
 @pytest.fixture()
-def home(tmp_path, tiny_model_dir, monkeypatch):
-    from gpuservd.store.store import ModelStore
-
-    monkeypatch.setenv("GPUSERV_HOME", str(tmp_path))
-    ModelStore().import_dir(tiny_model_dir, "tiny")
-    return tmp_path
-
-
-class Controller:
-    async def drain(self, timeout, exit_after=True):
-        return {}
-
-    async def reload(self):
-        return {}
+def home(store_home):
+    """GPUSERV_HOME with the tiny model in its store (conftest's store_home)."""
+    return store_home
 
 
 def run_app(check):
     """Run check(client, serving) against a fresh in-process app with the tiny model loaded."""
-
-    async def main():
-        cfg = daemon_config_from_dict({"engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
-                                       "server": {"models": ["tiny"]}})
-        metrics = Metrics()
-        serving = Serving(cfg, TenantMap(), metrics)
-        metrics.serving = serving
-        await serving.load("tiny")
-        serving.state = "serving"
-        app = build_app(serving, metrics, Controller())
-        transport = httpx.ASGITransport(app=app)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                await check(client, serving)
-        finally:
-            await serving.stop_engines()
-
-    asyncio.run(main())
+    run_in_app(check, {"engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
+                       "server": {"models": ["tiny"]}}, load=["tiny"])
 
 
 def test_unexpected_error_is_500_with_a_logged_request_id(home, monkeypatch, caplog):

@@ -4,11 +4,9 @@ delta, a missing base loads as a hidden dependency, and failures leak nothing.""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -16,13 +14,13 @@ from gpuservd.cli.main import app as cli
 from gpuservd.errors import UserError
 from gpuservd.store.store import ModelStore
 from gpuservd.store.variant import LORA_WEIGHTS, validate_delta
+from inprocess_app import run_in_app
 
 
 @pytest.fixture()
-def home(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("GPUSERV_HOME", str(tmp_path))
-    ModelStore().import_dir(tiny_model_dir, "tiny")
-    return tmp_path
+def home(store_home):
+    """GPUSERV_HOME with the tiny model in its store (conftest's store_home)."""
+    return store_home
 
 
 class Ran:
@@ -94,34 +92,8 @@ def _merged_model(home, adapter, name):
 
 
 def serve(check, cache=None):
-    from gpuservd.api.metrics import Metrics
-    from gpuservd.api.server import build_app
-    from gpuservd.daemon_config import daemon_config_from_dict
-    from gpuservd.serving import Serving
-    from gpuservd.tenants import TenantMap
-
-    class Controller:
-        async def drain(self, timeout, exit_after=True):
-            return {}
-
-        async def reload(self):
-            return {}
-
-    async def main():
-        cfg = daemon_config_from_dict({"engine": {"kv_cache_bytes": "2MiB", "block_size": 4, "num_threads": 1},
-                                       "server": {"models": []}, "cache": cache or {"cache_size": 8}})
-        metrics = Metrics()
-        serving = Serving(cfg, TenantMap(), metrics)
-        metrics.serving = serving
-        serving.state = "serving"
-        app = build_app(serving, metrics, Controller())
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-                await check(client, serving)
-        finally:
-            await serving.stop_engines()
-
-    asyncio.run(main())
+    run_in_app(check, {"engine": {"kv_cache_bytes": "2MiB", "block_size": 4, "num_threads": 1},
+                       "server": {"models": []}, "cache": cache or {"cache_size": 8}})
 
 
 async def complete(client, model):

@@ -6,20 +6,15 @@ asks a policy for an ordering key, so a policy never touches KV or batches.
 
 from __future__ import annotations
 
-import enum
 from typing import Callable
 
 from gpuservd.engine.request import Request
-from gpuservd.errors import parse_choice
+from gpuservd.errors import Choice
 
 
-class Policy(str, enum.Enum):
+class Policy(Choice, setting="scheduler.policy"):
     FCFS = "fcfs"  # arrival order
     PRIORITY = "priority"  # higher priority first, then arrival
-
-    @classmethod
-    def parse(cls, name: str) -> "Policy":
-        return parse_choice(cls, name, "scheduler.policy")
 
 
 def queue_key(policy: Policy) -> Callable[[Request], tuple]:

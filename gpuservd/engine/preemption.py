@@ -16,42 +16,29 @@
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass
 
-from gpuservd.errors import parse_choice
+from gpuservd.errors import Choice
 
 
-class PreemptionMode(str, enum.Enum):
+class PreemptionMode(Choice, setting="preemption.mode"):
     AUTO = "auto"
     ON = "on"
     OFF = "off"
 
-    @classmethod
-    def parse(cls, name: str) -> "PreemptionMode":
-        return parse_choice(cls, name, "preemption.mode")
 
-
-class Granularity(str, enum.Enum):
+class Granularity(Choice, setting="preemption.granularity"):
     REQUEST = "request"
     TOKEN = "token"
     LAYER = "layer"
 
-    @classmethod
-    def parse(cls, name: str) -> "Granularity":
-        return parse_choice(cls, name, "preemption.granularity")
 
-
-class MoveKind(str, enum.Enum):
+class MoveKind(Choice, setting="preemption.kind"):
     AUTO = "auto"  # the planner decides per victim
     SWAP = "swap"  # every layer to the host
     PARTIAL_SWAP = "partial_swap"  # layers [0, L-k) to the host, the last k parked on the device
     RECOMPUTE = "recompute"  # drop the oldest blocks; rebuilt by a prefix prefill on resume
-
-    @classmethod
-    def parse(cls, name: str) -> "MoveKind":
-        return parse_choice(cls, name, "preemption.kind")
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.3) -> float:

@@ -19,22 +19,16 @@ engine never deadlocks.
 
 from __future__ import annotations
 
-import enum
-
 from gpuservd.config import PreemptionConfig
 from gpuservd.engine.request import Request
-from gpuservd.errors import parse_choice
+from gpuservd.errors import Choice
 
 
-class VictimPolicy(str, enum.Enum):
+class VictimPolicy(Choice, setting="preemption.victim_policy"):
     NEWEST = "newest"
     MOST_REMAINING = "most_remaining"
     PROGRESS = "progress"
     WEIGHTED = "weighted"
-
-    @classmethod
-    def parse(cls, name: str) -> "VictimPolicy":
-        return parse_choice(cls, name, "preemption.victim_policy")
 
 
 def remaining_tokens(r: Request) -> int:

@@ -1,0 +1,43 @@
+"""The daemon's HTTP app in-process (ASGI, no socket): for tests that need to reach into Serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+
+class Controller:
+    """What the admin routes call for drain and reload; these tests never drain or reload."""
+
+    async def drain(self, timeout, exit_after=True):
+        return {}
+
+    async def reload(self):
+        return {}
+
+
+def run_in_app(check, config: dict, load=()) -> None:
+    """Build Serving and the app from a daemon config dict, load `load`, run `await check(client,
+    serving)`, and stop the engines."""
+    from gpuservd.api.metrics import Metrics
+    from gpuservd.api.server import build_app
+    from gpuservd.daemon_config import daemon_config_from_dict
+    from gpuservd.serving import Serving
+    from gpuservd.tenants import TenantMap
+
+    async def main():
+        metrics = Metrics()
+        serving = Serving(daemon_config_from_dict(config), TenantMap(), metrics)
+        metrics.serving = serving
+        for name in load:
+            await serving.load(name)
+        serving.state = "serving"
+        app = build_app(serving, metrics, Controller())
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                await check(client, serving)
+        finally:
+            await serving.stop_engines()
+
+    asyncio.run(main())
