@@ -97,8 +97,9 @@ async def test_latency_preemption_and_cancel_through_the_pilot(daemon, long_burs
         await pilot.press("y")
         await until(pilot, lambda: any(f"cancelled {victim}" in n.message for n in app._notifications),
                     what=lambda: f"the cancel to be confirmed (notes: {[n.message for n in app._notifications]})")
-        wait_until(lambda: victim not in {r["request_id"] for r in in_flight(daemon)}, timeout=10,
-                   what="the daemon to drop the cancelled request")
+        # Polled with the app's loop running: a blocking wait here would freeze the console under test.
+        await until(pilot, lambda: victim not in {r["request_id"] for r in in_flight(daemon)}, timeout=10,
+                    what="the daemon to drop the cancelled request")
         await until(pilot, lambda: any(e.get("request_id") == victim for e in app.state.log("request_finished")),
                     what="the cancelled request's finish event")
         (finished,) = [e for e in app.state.log("request_finished") if e.get("request_id") == victim]
