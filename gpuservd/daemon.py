@@ -329,16 +329,16 @@ class Daemon:
         try:
             with Client(self.socket_path) as client:
                 usage = None
+                text = []
                 for delta in client.chat_stream(model, [{"role": "user", "content": self.demo}], max_tokens=64,
                                                 temperature=0.0):
-                    if delta.text:
-                        sys.stdout.write(delta.text)
-                        sys.stdout.flush()
+                    text.append(delta.text or "")
                     usage = delta.usage or usage
             tokens = usage["completion_tokens"] if usage else "?"
-            # One write with its newline: the access log (stderr, another thread) must not land mid-line.
-            sys.stdout.write(f"\ndemo: {tokens} tokens served through the socket; the daemon keeps serving "
-                             "(Ctrl-C drains and stops)\n")
+            # The reply in one write, whole lines only: the access log (stderr, the server's thread) is
+            # written when the request ends and would otherwise land in the middle of the reply's line.
+            sys.stdout.write(f"{''.join(text)}\ndemo: {tokens} tokens served through the socket; the daemon "
+                             "keeps serving (Ctrl-C drains and stops)\n")
             sys.stdout.flush()
         except UserError as exc:
             print(f"demo: {exc}", file=sys.stderr, flush=True)
