@@ -18,7 +18,7 @@ from gpuservd.errors import UserError
 from gpuservd.paths import daemon_socket_path
 
 SYSTEM_CONFIG = Path("/etc/gpuserv/gpuserv.yaml")
-SECTIONS = ("engine", "scheduler", "preemption", "cache", "model", "server")
+SECTIONS = ("engine", "scheduler", "preemption", "cache", "model", "sharing", "server")
 
 
 @dataclass
@@ -127,12 +127,17 @@ class DaemonConfig:
     server: ServerConfig
     path: Path | None  # the file it came from (None = built-in defaults)
     cache: "CacheConfig" = None  # the weight cache (weights/config.py); defaults when None
+    sharing: "SharingConfig" = None  # models sharing the device (sharing/config.py); defaults when None
 
     def __post_init__(self):
         if self.cache is None:
             from gpuservd.weights.config import CacheConfig
 
             self.cache = CacheConfig()
+        if self.sharing is None:
+            from gpuservd.sharing.config import SharingConfig
+
+            self.sharing = SharingConfig()
 
 
 def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonConfig:
@@ -164,7 +169,10 @@ def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonC
     if profile_model and profile_model not in server.models:
         server.models = list(server.models) + [profile_model]
     server.validate()
-    return DaemonConfig(engine, server, None, cache)
+    from gpuservd.sharing.config import sharing_from_dict
+
+    sharing = sharing_from_dict(data.get("sharing"), where)
+    return DaemonConfig(engine, server, None, cache, sharing)
 
 
 def resolve_config_path(path: Path | str | None) -> Path | None:
