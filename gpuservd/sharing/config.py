@@ -47,7 +47,8 @@ class ModelSharing:
     group: str = ""  # models naming the same group share one SM partition ("" = a partition of its own)
     step_target_ms: float = 0.0  # latency_critical: bandwidth priority acts when its steps pass this
     # (0 = 1.5x its own median step time while it ran alone, learned by the arbiter)
-    kv_peak_bytes: int | None = None  # quota terms (G3); None = what the loaded engine has (its KV pool)
+    weights_bytes: int | None = None  # quota terms (G3); None = the model's weights in the compute dtype
+    kv_peak_bytes: int | None = None  # None = what the loaded engine has (its KV pool)
     activation_bytes: int | None = None  # None = an estimate from the model's shape and token budget
     overhead_bytes: int | None = None  # None = the backend's fixed cost (CUDA context ~ 500 MiB; CPU 0)
     memory_quota_bytes: int | None = None  # a fixed quota instead of the computed one
@@ -111,7 +112,7 @@ class SharingConfig:
         return self.model(name).group or name
 
 
-_MODEL_KEYS = {"share", "class", "group", "step_target_ms", "kv_peak_bytes", "activation_bytes",
+_MODEL_KEYS = {"share", "class", "group", "step_target_ms", "weights_bytes", "kv_peak_bytes", "activation_bytes",
                "overhead_bytes", "memory_quota_bytes"}
 
 
