@@ -94,8 +94,11 @@ class EngineLoop:
 
     def __init__(self, model: str, build: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                  on_post: Callable[[list, list], None], hooks: EngineHooks | None = None,
-                 admission_window_s: float = 0.0):
+                 admission_window_s: float = 0.0, arbiter=None):
         self.model = model
+        # sharing.arbiter.ArbiterHandle when the device is shared (G2/G4): asked before each step and
+        # between layers, told when the loop goes idle; None = this engine steps whenever it has work.
+        self.arbiter = arbiter
         # When a request wakes an idle engine, wait up to this long for more arrivals (ending early
         # after GATHER_GAP_S without one), so that a burst is prefilled in one step instead of
         # the first request alone and the rest a step later.
@@ -135,6 +138,8 @@ class EngineLoop:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self.arbiter is not None:
+            self.arbiter.close()  # wakes the thread if it waits for its turn
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self.engine is not None:
@@ -158,9 +163,14 @@ class EngineLoop:
             return
         engine.telemetry.subscribe(self._records.append)
         engine.interrupt = self._urgent_waiting
+        arbiter = self.arbiter
+        if arbiter is not None:
+            engine.yield_point = arbiter.between_layers
         self._beat()
         self.ready.set_result(engine)
         while True:
+            if arbiter is not None and not engine.has_unfinished():
+                arbiter.idle()  # nothing to run: the device goes to the others now, not after a quantum
             with self._cond:
                 while not self._inbox and not self._stopping and not engine.has_unfinished():
                     self._cond.wait(IDLE_TICK_S)
@@ -180,10 +190,15 @@ class EngineLoop:
                 return
             outputs = []
             if engine.has_unfinished():
+                if arbiter is not None:
+                    arbiter.begin_step()  # may wait for this model's turn
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # a bug or a device fault: fail the requests, keep the thread
                     self._engine_failed(exc, deliveries, events)
+                finally:
+                    if arbiter is not None:
+                        arbiter.end_step()
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if out.finished:
@@ -197,6 +212,8 @@ class EngineLoop:
                 events.extend(self._detail_events(rec))
                 if self._hooks is not None:
                     self._hooks.on_step(self.model, rec, outputs)
+            if arbiter is not None:
+                events.extend(arbiter.take_events())  # time slices and throttling, of every model
             self._beat()
             if deliveries or events:
                 self._publish(deliveries, events)

@@ -72,6 +72,9 @@ class LLMEngine:
         # Layer granularity: interrupt(priority) -> True when a request more urgent than that priority
         # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).
         self.interrupt = None
+        # Between every two layers of every forward: yield_point(layer) may block while another model
+        # runs (the sharing arbiter's time slices, G2); None when this engine has the device to itself.
+        self.yield_point = None
         self._suspended: _Suspended | None = None
         self._carried: list[RequestOutput] = []  # outputs of a suspended forward finished by an abort
         self.telemetry = Telemetry(config.telemetry_ring_size)
@@ -205,7 +208,7 @@ class LLMEngine:
                 for c in sched.chunks
             ]
             t1 = time.perf_counter()
-            result = self.runner.execute(chunks, suspend=self._suspend_check(sched))
+            result = self.runner.execute(chunks, suspend=self._layer_hook(sched))
             forward_s = time.perf_counter() - t1
             if isinstance(result, LayerCheckpoint):
                 self._suspended = _Suspended(sched, result, [c.request for c in sched.chunks], forward_s)
@@ -217,6 +220,19 @@ class LLMEngine:
                 outputs = self._update(sched, result)
         self._record(sched, t0, forward_s, swap_s, outputs)
         return carried + outputs
+
+    def _layer_hook(self, sched: SchedulerOutput | None):
+        """What the forward calls after each layer: the arbiter's yield point, then the suspend check."""
+        check = self._suspend_check(sched) if sched is not None else None
+        yield_point = self.yield_point
+        if yield_point is None:
+            return check
+
+        def hook(layer: int) -> bool:
+            yield_point(layer)
+            return check(layer) if check is not None else False
+
+        return hook
 
     def _suspend_check(self, sched: SchedulerOutput):
         """The per-layer predicate for this step's forward, or None when it may not be suspended."""
@@ -231,7 +247,7 @@ class LLMEngine:
         """Run the rest of a suspended forward and hand out its tokens (a step of its own)."""
         sus, self._suspended = self._suspended, None
         t0 = time.perf_counter()
-        logits = self.runner.resume(sus.checkpoint)
+        logits = self.runner.resume(sus.checkpoint, between=self._layer_hook(None))
         forward_s = time.perf_counter() - t0
         self._events.append({"kind": "layer_resume", "layer": sus.checkpoint.next_layer,
                              "request_ids": [r.request_id for r in sus.requests]})

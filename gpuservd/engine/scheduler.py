@@ -228,8 +228,8 @@ class Scheduler:
     def _usable_blocks(self) -> int:
         """Blocks admission may fill: the threshold's share of the pool while preemption is on."""
         if not self.preemption_on:
-            return self.pool.num_blocks
-        return max(1, int(self.preemption.memory_threshold * self.pool.num_blocks))
+            return self.pool.capacity
+        return max(1, int(self.preemption.memory_threshold * self.pool.capacity))
 
     def _admit_blocks(self, r: Request, num_new: int) -> int:
         """Device blocks admitting r needs now."""
@@ -278,6 +278,7 @@ class Scheduler:
         out = SchedulerOutput(step_id=self._step_id)
         seqs, blocks = self._tenant_usage()
         self._order_waiting(seqs)
+        self._enforce_quota(out, now)
         if self.preemption_on:
             self._enforce_threshold(out, now)
             if self.granularity is not Granularity.REQUEST:
@@ -295,6 +296,21 @@ class Scheduler:
         out.chunks.sort(key=lambda c: c.num_tokens != 1)
         out.decision_s = time.perf_counter() - t0
         return out
+
+    def _enforce_quota(self, out: SchedulerOutput, now: float) -> None:
+        """G3: over the model's memory quota (the pool's capacity was lowered), its own requests leave
+        the device (swap, partial swap or recompute as the planner prices them) until it fits again.
+        Whatever the preemption mode: a quota is a limit, not a preference."""
+        while self.pool.num_used > self.pool.capacity:
+            held = [r for r in self.waiting if r.num_device_blocks and r.request_id not in out.preempted_ids]
+            if held:  # paused requests' kept blocks go first, as for any shortage
+                self._reclaim_from_waiting(None, self.pool.num_used - self.pool.capacity, set(out.preempted_ids))
+                if self.pool.num_used <= self.pool.capacity:
+                    return
+            if not self.running:
+                return
+            victim = choose_victim(self.running, self.preemption, now) or fallback_victim(self.running)
+            self._preempt(victim, out, need=self.pool.num_used - self.pool.capacity, reason="quota")
 
     def _enforce_threshold(self, out: SchedulerOutput, now: float) -> None:
         usable = self._usable_blocks()
@@ -413,7 +429,7 @@ class Scheduler:
             need = self._admit_blocks(req, num_new)
             if not self._tenant_allows(req, need, seqs, blocks):
                 continue  # over its tenant's quota: waits without blocking others
-            room = (usable if self.running else self.pool.num_blocks) - self.pool.num_used
+            room = (usable if self.running else self.pool.capacity) - self.pool.num_used
             if need > room and not self._reclaim_from_waiting(req, need - room, just_preempted):
                 return  # the pool is full: this request and those after it wait
             if not self._resume(out, req, num_new):

@@ -18,12 +18,23 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.limit = num_blocks  # a memory quota (G3) may hold the pool below its size: see set_limit
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount = [0] * num_blocks
 
     @property
+    def capacity(self) -> int:
+        """Blocks this pool may have in use: its size, or less under a memory quota."""
+        return min(self.num_blocks, self.limit)
+
+    def set_limit(self, num_blocks: int | None) -> None:
+        """Cap the blocks in use (None = no cap). Blocks already in use above the cap stay until the
+        scheduler moves its own requests out (it keeps usage under capacity); none are taken away here."""
+        self.limit = self.num_blocks if num_blocks is None else max(1, min(int(num_blocks), self.num_blocks))
+
+    @property
     def num_free(self) -> int:
-        return len(self._free)
+        return max(0, min(len(self._free), self.capacity - self.num_used))
 
     @property
     def num_used(self) -> int:
@@ -31,15 +42,15 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
-        return self.num_used / self.num_blocks
+        """Fraction of the capacity in use, 0..1 (above 1 right after a quota was lowered)."""
+        return self.num_used / self.capacity
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks with refcount 1, or None (and nothing taken) if too few are free."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         out = [self._free.popleft() for _ in range(n)]
         for b in out:

@@ -93,6 +93,7 @@ class ModelRunner:
         batch = build_batch(chunks, self.block_size, self.device)
         return self.model.forward(batch, self.cache.layer, suspend=suspend)
 
-    def resume(self, checkpoint) -> torch.Tensor:
-        """Finish a suspended forward; logits as execute() would have returned them."""
-        return self.model.forward(checkpoint.batch, self.cache.layer, resume=checkpoint)
+    def resume(self, checkpoint, between=None) -> torch.Tensor:
+        """Finish a suspended forward; logits as execute() would have returned them. between(layer)
+        is called after each layer (it may block: the sharing arbiter) and must return False."""
+        return self.model.forward(checkpoint.batch, self.cache.layer, suspend=between, resume=checkpoint)

@@ -1,0 +1,219 @@
+"""The sharing arbiter (G2, G4, G5) with model threads whose "layers" are sleeps.
+
+Sleeping layers need no CPU, so these tests measure the arbiter's decisions
+(who runs, when, for how long), not this machine's speed; the bounds are wide
+because a loaded 2-core CI box wakes threads late.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpuservd.sharing.arbiter import Arbiter
+from gpuservd.sharing.config import SharingClass, SharingConfig, ThrottleConfig
+
+BE, LC = SharingClass.BEST_EFFORT, SharingClass.LATENCY_CRITICAL
+
+
+class Worker(threading.Thread):
+    """A model's engine thread: steps of `layers` sleeps of `layer_s`, through the arbiter."""
+
+    def __init__(self, handle, layers: int, layer_s: float, until: float, gap_s: float = 0.0, steps: int = 0):
+        super().__init__(daemon=True)
+        self.h, self.layers, self.layer_s, self.until, self.gap_s, self.max_steps = handle, layers, layer_s, until, gap_s, steps
+        self.latencies: list[float] = []
+        self.run_s = 0.0
+
+    def run(self):
+        while time.perf_counter() < self.until and (not self.max_steps or len(self.latencies) < self.max_steps):
+            t0 = time.perf_counter()
+            self.h.begin_step()
+            for i in range(self.layers):
+                a = time.perf_counter()
+                time.sleep(self.layer_s)
+                self.run_s += time.perf_counter() - a
+                self.h.between_layers(i)
+            self.h.end_step()
+            self.latencies.append(time.perf_counter() - t0)
+            if self.gap_s:
+                self.h.idle()
+                time.sleep(self.gap_s)
+        self.h.idle()
+
+
+def cfg(**kw) -> SharingConfig:
+    c = SharingConfig(**kw)
+    c.validate()
+    return c
+
+
+def run_all(workers):
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive()
+
+
+def test_two_best_effort_models_take_turns_by_share():
+    arb = Arbiter(cfg(quantum_ms=20, bandwidth_priority=False))
+    a = arb.register("a", "dev", 0.75, BE)
+    b = arb.register("b", "dev", 0.25, BE)
+    until = time.perf_counter() + 2.0
+    wa, wb = Worker(a, 4, 0.002, until), Worker(b, 4, 0.002, until)
+    run_all([wa, wb])
+    st = arb.status()
+    ra, rb = st["models"]["a"]["run_s"], st["models"]["b"]["run_s"]
+    assert 2.0 < ra / rb < 4.5, (ra, rb)  # weighted 3:1
+    # never both at once: the group is exclusive
+    assert wa.run_s + wb.run_s < 2.0 + 0.3
+    slices = [e for e in arb.take_events() if e["type"] == "time_slice"]
+    assert len(slices) >= 20
+    handoffs = [e for e in slices if e["next"]]
+    assert handoffs and all(e["switch_s"] >= 0 for e in handoffs)
+    assert {e["reason"] for e in handoffs} <= {"quantum", "idle"}
+    # a slice lasts about a quantum (it ends at the first layer boundary past it)
+    runs = sorted(e["run_s"] for e in handoffs)
+    assert 0.015 < runs[len(runs) // 2] < 0.08
+    assert st["num_switches"] == len(handoffs)
+    assert 0 <= st["overhead_share"] < 0.5
+
+
+def test_a_model_alone_never_switches():
+    arb = Arbiter(cfg())
+    a = arb.register("a", "dev", 0.5, BE)
+    w = Worker(a, 3, 0.001, time.perf_counter() + 0.3)
+    run_all([w])
+    assert arb.status()["num_switches"] == 0
+
+
+def test_latency_critical_cuts_a_best_effort_slice_at_the_next_layer():
+    arb = Arbiter(cfg(quantum_ms=50, bandwidth_priority=False))
+    big = arb.register("big", "dev", 0.5, BE)
+    small = arb.register("small", "dev", 0.5, LC)
+    until = time.perf_counter() + 2.0
+    wbig = Worker(big, 10, 0.005, until)  # 50 ms steps of 5 ms layers
+    wsmall = Worker(small, 2, 0.002, until, gap_s=0.02)  # 4 ms steps, mostly idle
+    run_all([wbig, wsmall])
+    lat = sorted(wsmall.latencies)
+    p90 = lat[int(0.9 * len(lat))]
+    # without the cut it would wait for the rest of a 50 ms quantum; with it, one 5 ms layer at most
+    assert p90 < 0.004 + 0.005 + 0.012, lat
+    st = arb.status()["models"]
+    assert st["big"]["num_cut_short"] >= 5
+    assert st["small"]["usage"] < 0.5
+
+
+def test_latency_critical_over_its_share_takes_turns():
+    """A latency-critical model that wants the whole device gets about its share, not all of it."""
+    arb = Arbiter(cfg(quantum_ms=20, bandwidth_priority=False))
+    big = arb.register("big", "dev", 0.7, BE)
+    small = arb.register("small", "dev", 0.3, LC)
+    until = time.perf_counter() + 3.0
+    wbig, wsmall = Worker(big, 4, 0.003, until), Worker(small, 4, 0.003, until)
+    run_all([wbig, wsmall])
+    st = arb.status()["models"]
+    total = st["big"]["run_s"] + st["small"]["run_s"]
+    assert st["big"]["run_s"] / total > 0.4  # not starved (its share is 0.7)
+
+
+def test_separate_groups_run_side_by_side():
+    arb = Arbiter(cfg(bandwidth_priority=False))
+    a, b = arb.register("a", "g1", 0.5, BE), arb.register("b", "g2", 0.5, BE)
+    until = time.perf_counter() + 0.6
+    wa, wb = Worker(a, 2, 0.005, until), Worker(b, 2, 0.005, until)
+    run_all([wa, wb])
+    assert wa.run_s > 0.4 and wb.run_s > 0.4  # both ran nearly all the time
+    assert arb.status()["num_switches"] == 0
+
+
+def test_bandwidth_priority_throttles_best_effort_and_relaxes():
+    """G4: latency-critical steps over target -> best-effort duty falls (x0.5); calm -> it climbs back."""
+    t = ThrottleConfig(increase=0.25, decrease=0.5, min_duty=0.1, interval_ms=50)
+    arb = Arbiter(cfg(throttle=t))
+    small = arb.register("small", "g1", 0.5, LC, step_target_ms=5)
+    big = arb.register("big", "g2", 0.5, BE)
+    until = time.perf_counter() + 0.8
+    # small's steps take 10 ms > its 5 ms target: pressure all along
+    run_all([Worker(small, 2, 0.005, until), Worker(big, 2, 0.004, until)])
+    st = arb.status()["models"]
+    assert st["big"]["duty"] <= 0.2
+    assert st["big"]["throttle_wait_s"] > 0.05
+    ev = [e for e in arb.take_events() if e["type"] == "bandwidth_throttle"]
+    assert ev and ev[0]["latency_critical"] == "small" and ev[0]["target_ms"] == 5.0
+    # calm: fast steps -> duty back to 1 by additive steps
+    until = time.perf_counter() + 0.8
+    run_all([Worker(small, 1, 0.001, until), Worker(big, 1, 0.002, until)])
+    assert arb.status()["models"]["big"]["duty"] == 1.0
+    assert any(e.get("reason") == "calm" and e["duty"] == 1.0 for e in arb.take_events())
+
+
+def test_learned_target_is_one_and_a_half_times_the_solo_median():
+    arb = Arbiter(cfg())
+    small = arb.register("small", "g", 0.5, LC)
+    run_all([Worker(small, 1, 0.004, time.perf_counter() + 10, steps=12)])
+    target = arb.status()["models"]["small"]["step_target_ms"]
+    assert 1.5 * 4 <= target < 1.5 * 15
+
+
+def test_unregister_wakes_a_waiting_model():
+    arb = Arbiter(cfg())
+    a, b = arb.register("a", "dev", 0.5, BE), arb.register("b", "dev", 0.5, BE)
+    a.begin_step()  # a holds the group
+    started = threading.Event()
+    done = threading.Event()
+
+    def waiter():
+        started.set()
+        b.begin_step()
+        done.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    started.wait()
+    time.sleep(0.05)
+    assert not done.is_set()
+    b.close()
+    assert done.wait(2)
+    a.end_step()
+    a.idle()
+    assert arb.status()["groups"][0]["holder"] is None
+
+
+def test_idle_hands_over_at_once():
+    arb = Arbiter(cfg(quantum_ms=50))
+    a, b = arb.register("a", "dev", 0.5, BE), arb.register("b", "dev", 0.5, BE)
+    a.begin_step()
+    got = []
+
+    def waiter():
+        b.begin_step()
+        got.append(time.perf_counter())
+
+    th = threading.Thread(target=waiter, daemon=True)
+    th.start()
+    time.sleep(0.01)
+    t_idle = time.perf_counter()
+    a.end_step()
+    a.idle()
+    th.join(2)
+    assert got and got[0] - t_idle < 0.02  # not after the 50 ms quantum
+    ev = [e for e in arb.take_events() if e["type"] == "time_slice"]
+    assert ev[-1]["reason"] == "idle" and ev[-1]["next"] == "b"
+
+
+def test_reconfigure_changes_class_and_quantum():
+    arb = Arbiter(cfg())
+    arb.register("a", "dev", 0.5, BE)
+    new = cfg(quantum_ms=40)
+    from gpuservd.sharing.config import ModelSharing
+
+    new.models["a"] = ModelSharing(share=0.6, sharing_class=LC)
+    arb.reconfigure(new, {"a": 0.6})
+    st = arb.status()
+    assert st["quantum_ms"] == 40 and st["models"]["a"]["class"] == "latency_critical"
+    assert st["models"]["a"]["share"] == 0.6
+    with pytest.raises(ValueError):
+        arb.register("a", "dev", 0.5, BE)
