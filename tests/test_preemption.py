@@ -240,3 +240,31 @@ def test_abort_of_a_suspended_request_finishes_its_forward_first(tiny_model_dir)
     while eng.has_unfinished():
         eng.step()
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_memory_quota_moves_out_the_models_own_requests(tiny_model_dir, reference, mode):
+    """G3: lowering the pool's capacity (a memory quota) mid-run makes the engine move its own running
+    requests out (reason quota), whatever the preemption mode; the tokens stay exact, nothing leaks."""
+    eng = engine(tiny_model_dir, num_blocks=64, mode=mode, kind="swap")
+    ps = prompts(4)
+    params = SamplingParams(max_tokens=12, **PARAMS)
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, params)
+    outs, quota = {}, []
+    for _ in range(2):
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    eng.pool.set_limit(eng.pool.num_used // 2)
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        rec = eng.telemetry.recent()[-1]
+        quota += [p for p in rec.preemptions if p["reason"] == "quota"]
+        assert eng.pool.num_used <= eng.pool.capacity
+    assert quota, "no request was moved for the quota"
+    assert {p["kind"] for p in quota} <= ({"swap", "partial_swap", "recompute"} if mode == "on" else {"recompute"})
+    assert [outs[f"r{i}"] for i in range(4)] == reference
+    assert eng.pool.num_free == eng.pool.capacity and eng.host_pool.num_used == 0
+    eng.pool.set_limit(None)
+    assert eng.pool.capacity == eng.pool.num_blocks
