@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from gpuservd.cli import bench_cmds, daemon_cmds, doctor_cmd, record_cmd, remote, store_cmds, top_cmd
+from gpuservd.cli import bench_cmds, daemon_cmds, doctor_cmd, plan_cmd, record_cmd, remote, store_cmds, top_cmd
 from gpuservd.errors import UserError
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ top_cmd.register(app)
 app.add_typer(bench_cmds.app, name="bench")
 doctor_cmd.register(app)
 record_cmd.register(app)
+plan_cmd.register(app)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
 LocalOpt = typer.Option(False, "--local", help="Run an in-process engine instead of asking the daemon.")
