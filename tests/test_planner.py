@@ -205,6 +205,19 @@ def test_quota_terms_from_the_store_and_the_engine(store_home):
     assert cpu.kv_peak == int((4 * 1024**3 - cpu.weights) * 0.4)
 
 
+def test_kv_peak_falls_back_to_full_contexts_when_the_budget_cannot_hold_the_weights(store_home):
+    from gpuservd.config import EngineConfig
+    from gpuservd.runner.model_config import load_arch
+    from gpuservd.store.store import ModelStore
+
+    arch = load_arch(ModelStore().info("tiny").path)
+    warnings = []
+    q = memory_quota("tiny", sharing({}), engine=EngineConfig(device_memory_bytes=1000), warnings=warnings)
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
+    assert q.kv_peak == 64 * arch.max_position_embeddings * per_token and q.sources["kv_peak"] == "estimate"
+    assert "does not hold its weights" in warnings[0]
+
+
 def test_activation_estimate_of_a_7b_shape():
     from gpuservd.runner.model_config import arch_from_dict
 
@@ -271,7 +284,8 @@ def test_hardware_from_an_unknown_or_absent_device():
     assert hardware_from_device({"backend": "cuda", "available": False, "name": "no CUDA device visible"}) is None
     a10g = hardware_from_device({"backend": "cuda", "name": "NVIDIA A10G", "num_sms": 80, "memory_bytes": 24 * GB,
                                  "compute_capability": [8, 6]})
-    assert (a10g.name, a10g.compute_capability, a10g.source, a10g.mem_bw_bytes_per_s) == ("a10g", (8, 6), "device", None)
+    assert (a10g.name, a10g.compute_capability, a10g.source) == ("a10g", (8, 6), "device")
+    assert a10g.mem_bw_bytes_per_s is None
     h100_pcie = hardware_from_device({"backend": "cuda", "name": "NVIDIA H100 PCIe", "num_sms": 114,
                                       "memory_bytes": 80 * GB})
     assert h100_pcie.name == "h100-pcie" and h100_pcie.compute_capability == (9, 0) and h100_pcie.notes
@@ -287,6 +301,11 @@ def test_a_bad_profile_file_names_the_key(tmp_path, monkeypatch):
         load_hardware("odd")
     (tmp_path / "hardware" / "odd.yaml").write_text("name: odd\nnum_sms: 30\ncompute_capability: 8.0\nmemory: 16GB\n")
     assert load_hardware("odd").num_sms == 30 and "a100" in list_hardware()
+    # The daemon's server.profiles_dir comes first.
+    mine = tmp_path / "mine"
+    (mine / "hardware").mkdir(parents=True)
+    (mine / "hardware" / "odd.yaml").write_text("name: odd\nnum_sms: 42\ncompute_capability: [9, 0]\nmemory: 16GB\n")
+    assert load_hardware("odd", mine).num_sms == 42 and load_hardware("odd").num_sms == 30
 
 
 # ---- gpuserv plan ------------------------------------------------------------------------------
@@ -348,9 +367,10 @@ def test_cli_plan_reads_a_daemon_config(store_home, tmp_path, monkeypatch):
 @pytest.mark.parametrize("args,files,message", [
     (("plan", "--hardware", "b300", "--profile", str(SEED)), {}, "unknown hardware 'b300'; known profiles:"),
     (("plan", "--profile", "/nonexistent/plan.yaml"), {}, "/nonexistent/plan.yaml does not exist"),
-    (("plan", "--hardware", "a100", "--profile", "{over}"), {"over": "sharing: {models: {a: {share: 0.7}, b: {share: 0.6}}}"},
-     "add up to 1.30"),
-    (("plan", "--hardware", "a100", "--profile", "{none}"), {"none": "engine: {dtype: float16}\n"}, "no sharing: section"),
+    (("plan", "--hardware", "a100", "--profile", "{over}"),
+     {"over": "sharing: {models: {a: {share: 0.7}, b: {share: 0.6}}}"}, "add up to 1.30"),
+    (("plan", "--hardware", "a100", "--profile", "{none}"), {"none": "engine: {dtype: float16}\n"},
+     "no sharing: section"),
     (("plan", "--hardware", "a100", "--profile", "{empty}"), {"empty": "sharing: {headroom: 0.2}\n"},
      "lists no models under sharing.models"),
     (("plan", "--profile", "{cpu}"), {"cpu": "sharing: {models: {a: {share: 0.5}}}\n"}, "the CPU, which has no SMs"),

@@ -31,7 +31,8 @@ def load_profile(profile: Optional[Path]):
         where = str(profile)
         data = read_yaml_file(profile)
         if not isinstance(data, dict) or "sharing" not in data:
-            raise UserError(f"{where}: no sharing: section; a plan needs `sharing: {{models: {{NAME: {{share: 0.4}}, ...}}}}`")
+            raise UserError(f"{where}: no sharing: section; a plan needs "
+                            "`sharing: {models: {NAME: {share: 0.4}, ...}}`")
         if set(data) == {"sharing"}:
             sharing = sharing_from_dict(data["sharing"], where)
             return sharing, EngineConfig(), list(sharing.models), where, None
@@ -47,16 +48,17 @@ def load_profile(profile: Optional[Path]):
 def resolve_hardware(name: Optional[str], sharing, engine, cfg):
     from gpuservd.sharing.hardware import hardware_from_device, list_hardware, load_hardware
 
+    profiles_dir = cfg.server.profiles_dir if cfg is not None else None
     name = name or (sharing.hardware if sharing.hardware != "auto" else None)
     if name:
-        return load_hardware(name)
-    known = ", ".join(list_hardware())
+        return load_hardware(name, profiles_dir)
+    known = ", ".join(list_hardware(profiles_dir))
     if not engine.device.startswith("cuda"):
         raise UserError(f"the configured device is the CPU, which has no SMs to partition; pass --hardware NAME "
                         f"(known: {known})")
     from gpuservd.daemon import device_info  # imports torch: only for hardware: auto on a CUDA config
 
-    hw = hardware_from_device(device_info(cfg))
+    hw = hardware_from_device(device_info(cfg), profiles_dir)
     if hw is None:
         raise UserError(f"no CUDA device is visible to read SMs from; pass --hardware NAME (known: {known})")
     return hw

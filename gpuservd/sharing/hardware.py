@@ -101,26 +101,27 @@ def parse_cc(value, where: str) -> tuple[int, int]:
     raise UserError(f"{where}: compute_capability must look like \"8.0\" or [8, 0], got {value!r}")
 
 
-def hardware_dirs() -> list[Path]:
-    """Where profiles are looked up, first match wins."""
-    dirs = []
+def hardware_dirs(profiles_dir: Path | str | None = None) -> list[Path]:
+    """Where profiles are looked up, first match wins: <profiles_dir>/hardware (the daemon's
+    server.profiles_dir), $GPUSERV_PROFILES/hardware, /etc/gpuserv/profiles/hardware, the source tree's."""
+    dirs = [Path(profiles_dir).expanduser() / "hardware"] if profiles_dir else []
     if os.environ.get("GPUSERV_PROFILES"):
         dirs.append(Path(os.environ["GPUSERV_PROFILES"]).expanduser() / "hardware")
     dirs += [Path("/etc/gpuserv/profiles/hardware"), SOURCE_PROFILES]
     return [d for d in dirs if d.is_dir()]
 
 
-def _profile_paths() -> dict[str, Path]:
+def _profile_paths(profiles_dir=None) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    for d in hardware_dirs():
+    for d in hardware_dirs(profiles_dir):
         for p in sorted(d.glob("*.yaml")):
             found.setdefault(p.stem, p)
     return found
 
 
-def list_hardware() -> list[str]:
+def list_hardware(profiles_dir=None) -> list[str]:
     """Names of the known profiles, sorted."""
-    return sorted(_profile_paths())
+    return sorted(_profile_paths(profiles_dir))
 
 
 def hardware_from_dict(data, where: str) -> Hardware:
@@ -128,7 +129,8 @@ def hardware_from_dict(data, where: str) -> Hardware:
     from gpuservd.config import parse_bytes
 
     if not isinstance(data, dict):
-        raise UserError(f"{where}: a hardware profile must be a mapping (name, num_sms, compute_capability, memory, ...)")
+        raise UserError(f"{where}: a hardware profile must be a mapping "
+                        "(name, num_sms, compute_capability, memory, ...)")
     unknown = sorted(set(data) - _KEYS)
     if unknown:
         raise UserError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(sorted(_KEYS))}")
@@ -157,11 +159,11 @@ def hardware_from_dict(data, where: str) -> Hardware:
         description=str(data.get("description") or ""), match=tokens["match"], exclude=tokens["exclude"])
 
 
-def load_hardware(name: str) -> Hardware:
+def load_hardware(name: str, profiles_dir=None) -> Hardware:
     """A profile by name (profiles/hardware/<name>.yaml); an unknown name lists the known ones."""
     from gpuservd.config import read_yaml_file
 
-    paths = _profile_paths()
+    paths = _profile_paths(profiles_dir)
     key = str(name).strip().lower()
     if key not in paths:
         known = ", ".join(sorted(paths)) or "none (profiles/hardware/ is missing)"
@@ -176,14 +178,14 @@ def _tokens(device_name: str) -> set[str]:
     return set(re.findall(r"[a-z0-9]+", device_name.lower()))
 
 
-def match_profile(device_name: str) -> Hardware | None:
+def match_profile(device_name: str, profiles_dir=None) -> Hardware | None:
     """The profile whose match tokens all occur in the device's name and none of whose exclude tokens
     do; the most specific (most tokens) wins. "NVIDIA A100-SXM4-40GB" -> a100-40gb, "NVIDIA A10G" -> none."""
     words = _tokens(device_name)
     best, best_len = None, 0
-    for name in list_hardware():
+    for name in list_hardware(profiles_dir):
         try:
-            hw = load_hardware(name)
+            hw = load_hardware(name, profiles_dir)
         except UserError:
             continue  # a broken profile must not stop the daemon from planning with the device's numbers
         if hw.match and all(t in words for t in hw.match) and not any(t in words for t in hw.exclude):
@@ -198,7 +200,7 @@ def _slug(text: str) -> str:
     return "-".join(words) or "gpu"
 
 
-def hardware_from_device(info: dict) -> Hardware | None:
+def hardware_from_device(info: dict, profiles_dir=None) -> Hardware | None:
     """The daemon's device dict -> Hardware, or None on a CPU (no SMs to partition) or an absent GPU.
 
     info: {"backend": "cuda", "name", "num_sms", "memory_bytes", "compute_capability"?: [8, 0] | "8.0"}.
@@ -216,13 +218,14 @@ def hardware_from_device(info: dict) -> Hardware | None:
         raise UserError(f"device {name!r} reports no SM count or memory size ({info!r}); name a hardware profile")
     cc_value = info.get("compute_capability")
     cc = parse_cc(cc_value, f"device {name!r}") if cc_value is not None else None
-    profile = match_profile(name)
+    profile = match_profile(name, profiles_dir)
     notes = []
     if profile is not None:
         if profile.num_sms != num_sms:
             notes.append(f"the device reports {num_sms} SMs, the {profile.name} profile {profile.num_sms}; "
                          "planning with the device's")
-        return replace(profile, num_sms=num_sms, memory_bytes=memory, compute_capability=cc or profile.compute_capability,
+        return replace(profile, num_sms=num_sms, memory_bytes=memory,
+                       compute_capability=cc or profile.compute_capability,
                        description=name or profile.description, source="device+profile", notes=tuple(notes))
     if cc is None:
         cc = (9, 0)

@@ -248,8 +248,9 @@ def memory_quota(name: str, sharing, *, backend: str = "cuda", engine=None, stor
             a = arch()
             kv = engine.scheduler.max_num_seqs * max_model_len(a, engine) * kv_bytes_per_token(a, dtype_bytes)
             sources["kv_peak"] = "estimate"
-            warnings.append(f"{name}: engine.device_memory_bytes ({engine.device_memory_bytes / GB:.1f} GB) does not "
-                            f"hold its weights ({weights / GB:.1f} GB); KV peak estimated as max_num_seqs full contexts")
+            warnings.append(f"{name}: engine.device_memory_bytes ({engine.device_memory_bytes / GB:.1f} GB) does "
+                            f"not hold its weights ({weights / GB:.1f} GB); KV peak estimated as max_num_seqs "
+                            "full contexts")
         except ModelNotFound:
             if not fixed:
                 missing("KV peak", "kv_peak_bytes")
@@ -372,6 +373,7 @@ def plan(sharing, hardware: Hardware | None, models: list[str] | None = None, *,
                                     f"({memory / GB:.1f} GB); it cannot be resident")
             total = sum(q.quota for q in quotas.values())
             if total > memory:
-                warnings.append(f"the quotas add up to {total / GB:.1f} GB, more than the device's {memory / GB:.1f} GB: "
-                                f"not every model can be resident at once; the rest wait in the host tier (swap-out)")
+                warnings.append(f"the quotas add up to {total / GB:.1f} GB, more than the device's "
+                                f"{memory / GB:.1f} GB: not every model can be resident at once; the rest wait in "
+                                "the host tier (swap-out)")
     return Plan(hardware, groups, spare, quotas, fits, memory, warnings)
