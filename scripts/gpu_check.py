@@ -255,6 +255,38 @@ class SmCounter:
                                     build_directory=tempfile.mkdtemp(prefix="gpuserv-smid-"), verbose=False)
         return self._ext
 
+    def check_in(self, enter, leave) -> None:
+        """Run the kernel once inside a green context (on a thread, as an engine would); if the chosen method
+        fails there (a Triton module is loaded in the context current at its first launch), build the CUDA
+        extension now rather than in the middle of the timed part."""
+        if self.method is None:
+            return
+        res: dict = {}
+
+        def run():
+            try:
+                enter()
+            except Exception as exc:
+                res["enter"] = _err(exc)
+                return
+            try:
+                self._run(self.method)
+            except Exception as exc:
+                res["error"] = _err(exc)
+            finally:
+                leave()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        if "error" in res:
+            self.tried.append(f"{self.method} inside a green context: {res['error']}")
+            if self.method == "triton":
+                try:
+                    self._load_ext()
+                except Exception as exc:
+                    self.tried.append(f"cuda_ext: {_err(exc)}")
+
     def count(self) -> dict:
         """On the current stream: {"method", "sm_ids"} or {"error"} (each method tried in turn)."""
         errors = []
@@ -341,7 +373,7 @@ def _on_threads(groups: dict, enter, leave, counter, a, b, timeout: float, statu
             extra["status"] = status()
         together.wait(timeout)
     except threading.BrokenBarrierError:
-        extra["error"] = "a thread failed to enter (see its group)"
+        extra["error"] = "a thread failed (see its group)"
     leave_now.set()
     for t in threads:
         t.join(timeout)
@@ -374,6 +406,17 @@ def part_green(inp: dict) -> dict:
     out["api"], out["can_split"] = vars(ad.api), list(ad.can_split())
     props = torch.cuda.get_device_properties(0)
     counter = SmCounter(props.multi_processor_count, f"{props.major}.{props.minor}", deadline)
+    p1: dict = {}
+    counter.check_in(lambda: p1.setdefault("h", ad.create(8, 0)).enter(), lambda: p1["h"].exit())
+    if ad.can_split()[0]:
+        try:
+            parts, p2 = ad.create_partitions([8], 0), {}
+            if parts.disjoint:
+                counter.check_in(lambda: p2.setdefault("h", ad.handle_on(parts, 0, 8)).enter(),
+                                 lambda: p2["h"].exit())
+            parts.close()
+        except Exception as exc:
+            counter.tried.append(f"split probe: {_err(exc)}")
     out["smid_method"], out["smid_tried"] = counter.method, counter.tried
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -452,6 +495,25 @@ def run_isolation(out_dir: Path, limit: float) -> dict:
     return res
 
 
+def verdict(green: dict | None) -> dict:
+    """Per way of making contexts: does each group run on as many SMs as it asked for (the driver may round up
+    to its granule, 8 SMs on Hopper), and do groups share SMs?"""
+    out: dict = {}
+    for way in ("torch_create", "backend"):
+        w = (green or {}).get(way)
+        if not w:
+            continue
+        seen = {g: (x.get("smid") or {}).get("num_sm_ids") for g, x in w["groups"].items()}
+        if any(v is None for v in seen.values()):
+            out[way] = {"verified": False, "why": "SM ids not counted for every group"}
+            continue
+        counts_ok = all(x["asked_sms"] <= seen[g] < x["asked_sms"] + 8 for g, x in w["groups"].items())
+        shared = sum(w.get("overlap_sm_ids", {}).values())
+        out[way] = {"verified": True, "sm_counts_match": counts_ok, "sm_ids_shared": shared, "disjoint": shared == 0,
+                    "seen": seen}
+    return out
+
+
 def _f(v, fmt="{:.1f}") -> str:
     return "-" if v is None else fmt.format(v) if isinstance(v, (int, float)) else str(v)
 
@@ -482,6 +544,11 @@ def markdown(r: dict) -> str:
         lines += ["## Plan", "", f"source: {plan.get('source')}", "",
                   "groups: " + ", ".join(f"{g} {n} SMs" for g, n in plan.get("groups", {}).items())
                   + f"; spare {plan.get('spare_sms')}", ""]
+    for way, v in (r.get("verdict") or {}).items():
+        lines.insert(5, f"- {way}: " + (f"SM counts {'match' if v['sm_counts_match'] else 'DO NOT match'} the "
+                                        f"asked counts, {'disjoint' if v['disjoint'] else 'groups share SMs'} "
+                                        f"(seen {json.dumps(v['seen'])}, {v['sm_ids_shared']} shared)"
+                                        if v["verified"] else f"not verified ({v['why']})"))
     green = r.get("green") or {}
     if green:
         whole = green.get("whole_device") or {}
@@ -555,6 +622,7 @@ def main() -> int:
                          min(PART_LIMIT_S["green"], left() - (0 if a.skip_isolation else 60)))
         r["parts"]["green"] = {k: v for k, v in green.items() if k != "result"}
         r["green"] = green.get("result")
+        r["verdict"] = verdict(r["green"])
     else:
         r["parts"]["green"] = {"ok": False, "error": "skipped: the time budget is spent"}
     if a.skip_isolation:

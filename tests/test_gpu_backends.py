@@ -558,5 +558,12 @@ def test_gpu_check_markdown_of_a_full_result():
          "green": {"auto": {"summary": "SM partitions: ..."}, "whole_device": {"matmul_tflops": 700.0},
                    "torch_create": way, "backend": way, "prepare": {"how": "x"}},
          "isolation": {"command": "-m gpuservd.cli.main bench isolation", "ok": False, "error": "rc 2"}}
+    r["verdict"] = gc.verdict(r["green"])
+    assert r["verdict"]["backend"] == {"verified": False, "why": "SM ids not counted for every group"}
     md = gc.markdown(r)
     assert "| chat | 56 | 56 | 300.0 | 290.0 |" in md and "could not verify" in md and "FAILED" in md
+    assert "- backend: not verified" in md
+    way["groups"]["batch"]["smid"] = {"num_sm_ids": 40, "sm_ids": []}
+    way["overlap_sm_ids"] = {"chat&batch": 32}
+    v = gc.verdict(r["green"])["torch_create"]
+    assert v["verified"] and not v["sm_counts_match"] and not v["disjoint"] and v["sm_ids_shared"] == 32
