@@ -567,3 +567,10 @@ def test_gpu_check_markdown_of_a_full_result():
     way["overlap_sm_ids"] = {"chat&batch": 32}
     v = gc.verdict(r["green"])["torch_create"]
     assert v["verified"] and not v["sm_counts_match"] and not v["disjoint"] and v["sm_ids_shared"] == 32
+
+
+def test_importing_the_gpu_package_loads_neither_torch_nor_nvml():
+    code = ("import sys, gpuservd.gpu.backends, gpuservd.gpu.readings, gpuservd.gpu.green, gpuservd.gpu.mps, "
+            "gpuservd.gpu.green_driver; print(sorted(m for m in ('torch', 'pynvml') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr
