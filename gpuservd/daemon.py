@@ -100,7 +100,8 @@ def device_info(cfg: DaemonConfig) -> dict:
         idx = int(dev.split(":")[1]) if ":" in dev else 0
         props = torch.cuda.get_device_properties(idx)
         return {"backend": "cuda", "available": True, "index": idx, "name": props.name,
-                "memory_bytes": props.total_memory, "num_sms": props.multi_processor_count}
+                "memory_bytes": props.total_memory, "num_sms": props.multi_processor_count,
+                "compute_capability": [props.major, props.minor]}
     return {"backend": "cpu", "available": True, "name": platform.processor() or platform.machine(),
             "num_threads": cfg.engine.num_threads or torch.get_num_threads(),
             "memory_budget_bytes": cfg.engine.device_memory_bytes}
@@ -130,6 +131,19 @@ class Daemon:
             setattr(cfg.server, key, value)
         cfg.server.validate()
         return cfg
+
+    async def _sample_device(self) -> None:
+        """Once a second: the device readings (NVML, psutil; status.device.readings and the hint rules), and
+        the arbiter's events that no engine step carried out (a slice handed over by a model going idle)."""
+        sharing = self.serving.sharing
+        while True:
+            try:
+                await asyncio.to_thread(sharing.sample)
+                for event in sharing.take_events():
+                    self.serving.bus.publish(event)
+            except Exception:
+                log.exception("device sampling failed")
+            await asyncio.sleep(1.0)
 
     # ---- sockets ----------------------------------------------------------------------------------
     def _listeners(self) -> list[socket.socket]:
@@ -200,6 +214,7 @@ class Daemon:
         log.info("ready: %s", self._status_line())
         self._spawn(self._watchdog())
         self._spawn(serving.hints.run(serving))
+        self._spawn(self._sample_device())
         if self.demo:
             threading.Thread(target=self._run_demo, daemon=True).start()
         try:
@@ -275,6 +290,13 @@ class Daemon:
             setattr(old, f, v)
         engine_changed = new.engine != self.cfg.engine
         self.cfg.engine = new.engine  # applies at the next model load
+
+        def on_engine(model: str, fn) -> None:
+            slot = self.serving.slots.get(model)
+            if slot is not None and slot.loop is not None:
+                slot.loop.call(fn)
+
+        restart += self.serving.sharing.reconfigure(new.sharing, on_engine)  # shares, classes, quotas: now
         self.serving.set_tenants(tenants)
         if "versions" in changed:  # the file's version tables replace the run-time ones
             from gpuservd.routing import VersionRouter

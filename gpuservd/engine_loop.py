@@ -94,8 +94,9 @@ class EngineLoop:
 
     def __init__(self, model: str, build: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                  on_post: Callable[[list, list], None], hooks: EngineHooks | None = None,
-                 admission_window_s: float = 0.0, arbiter=None):
+                 admission_window_s: float = 0.0, arbiter=None, on_exit: Callable[[], None] | None = None):
         self.model = model
+        self._on_exit = on_exit  # called on the engine thread as it ends (a partition's unbind)
         # sharing.arbiter.ArbiterHandle when the device is shared (G2/G4): asked before each step and
         # between layers, told when the loop goes idle; None = this engine steps whenever it has work.
         self.arbiter = arbiter
@@ -133,6 +134,16 @@ class EngineLoop:
         self._put(("call", fn, fut))
         return fut
 
+    def set_arbiter(self, handle) -> concurrent.futures.Future:
+        """Share the device through `handle` from the next step on (None: step freely again)."""
+        def apply(engine):
+            if self.arbiter is not None and self.arbiter is not handle:
+                self.arbiter.close()
+            self.arbiter = handle
+            engine.yield_point = handle.between_layers if handle is not None else None
+
+        return self.call(apply)
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Abort whatever is left (finish reason abort), end the thread and wait for it."""
         with self._cond:
@@ -157,18 +168,28 @@ class EngineLoop:
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._loop_body()
+        finally:
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except Exception:
+                    log.exception("engine thread %s: exit hook failed", self.model)
+
+    def _loop_body(self) -> None:
+        try:
             engine = self.engine = self._build()
         except BaseException as exc:
             self.ready.set_exception(exc)
             return
         engine.telemetry.subscribe(self._records.append)
         engine.interrupt = self._urgent_waiting
-        arbiter = self.arbiter
-        if arbiter is not None:
-            engine.yield_point = arbiter.between_layers
+        if self.arbiter is not None:
+            engine.yield_point = self.arbiter.between_layers
         self._beat()
         self.ready.set_result(engine)
         while True:
+            arbiter = self.arbiter  # set_arbiter() may change it between iterations
             if arbiter is not None and not engine.has_unfinished():
                 arbiter.idle()  # nothing to run: the device goes to the others now, not after a quantum
             with self._cond:
@@ -188,6 +209,8 @@ class EngineLoop:
                     self._abort(rid, deliveries)
                 self._publish(deliveries, events)
                 return
+            for rid, why in engine.unservable():  # a memory quota lowered under what they need (G3)
+                self._fail_unservable(rid, why, deliveries)
             outputs = []
             if engine.has_unfinished():
                 if arbiter is not None:
@@ -198,7 +221,7 @@ class EngineLoop:
                     self._engine_failed(exc, deliveries, events)
                 finally:
                     if arbiter is not None:
-                        arbiter.end_step()
+                        arbiter.end_step(decode_only=all(not r.num_prefill_tokens for r in self._records))
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if out.finished:
@@ -277,6 +300,18 @@ class EngineLoop:
                 deliveries.append((sink, out))
             if self._hooks is not None:
                 self._hooks.on_abort(self.model, out)
+
+    def _fail_unservable(self, request_id: str, why: str, deliveries: list) -> None:
+        from gpuservd.errors import UserError
+
+        sink = self._sinks.pop(request_id, None)
+        try:
+            self.engine.abort(request_id)  # its KV blocks are free now
+        except Exception as exc:
+            self._log_internal(exc, request_id)
+        log.warning("request %s (model %s) failed: %s", request_id, self.model, why)
+        if sink is not None:
+            deliveries.append((sink, Failed(request_id, UserError(why), False)))
 
     def _engine_failed(self, exc: Exception, deliveries: list, events: list) -> None:
         error_id = self._log_internal(exc, "step")

@@ -71,6 +71,9 @@ class Serving:
         self.prefetch_stats = PrefetchStats()
         self._lookups: deque[tuple[str, bool]] = deque(maxlen=HIT_WINDOW)  # (model, found on the device)
         self._hit_alert_on = False
+        from gpuservd.sharing.manager import SharingManager
+
+        self.sharing = SharingManager(config, self.device)  # backend, plan, arbiter, quotas, readings (G1-G5)
         from gpuservd.hints.monitor import HintMonitor
 
         self.hints = HintMonitor()  # sees every event; the daemon runs its once-a-second evaluation
@@ -369,8 +372,14 @@ class Serving:
                 "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
 
         sources = []
+        try:
+            handle = self.sharing.attach(name)  # a plan without it is redone with it; its arbiter registration
+        except Exception as exc:
+            self._load_failed(slot, exc)
+            raise
 
         def build():
+            self.sharing.bind(name)  # its SM partition, on this (the engine) thread, before any allocation
             source, tier = self._weight_source(name, model_dir)
             sources.append(source)
             slot.source_tier = tier
@@ -380,10 +389,12 @@ class Serving:
             initial = cc.initial_layers if cc.load_strategy == "layered" else None
             engine = LLMEngine(name, config_dir, cfg, weight_source=source, initial_layers=initial, on_layer=on_layer)
             engine.set_tenant_quotas(self.tenants.quotas())
+            self.sharing.loaded(name, engine)  # its memory quota caps its KV pool (G3)
             return engine
 
         loop = EngineLoop(name, build, aloop, self.on_post,
-                          self.metrics, self.config.server.admission_window_ms / 1000)
+                          self.metrics, self.config.server.admission_window_ms / 1000, arbiter=handle,
+                          on_exit=lambda: self.sharing.unbind(name))
         try:
             loop.start()
             engine = await asyncio.wrap_future(loop.ready)
@@ -417,6 +428,8 @@ class Serving:
         return slot
 
     def _load_failed(self, slot: ModelSlot, exc: BaseException) -> None:
+        if slot.name in self.sharing.names:
+            self.sharing.detach(slot.name)
         slot.state = "failed"
         slot.error = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
         slot.loaded.set()
@@ -574,6 +587,7 @@ class Serving:
             await asyncio.to_thread(slot.loop.stop)
         slot.encoder.shutdown(wait=False)
         self.slots.pop(name, None)
+        self.sharing.detach(name)
         self.cache.device_evicted(name)
         self.bus.publish({"type": "model_unload", "t": time.time(), "model": name, "num_aborted": aborted})
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
@@ -645,6 +659,7 @@ class Serving:
             if slot.loop is not None:
                 await asyncio.to_thread(slot.loop.stop)
             slot.encoder.shutdown(wait=False)
+        self.sharing.close()
 
     # ---- status -----------------------------------------------------------------------------------
     def model_status(self, slot: ModelSlot) -> ModelStatus:
@@ -658,7 +673,7 @@ class Serving:
             max_model_len=slot.max_model_len, num_steps=snap.num_steps if snap else 0, error=slot.error,
             preemption=snap.preemption if snap else None, tiers=self.cache.residency(slot.name),
             weights_bytes=slot.weights_bytes, num_layers=slot.num_layers, layers_ready=slot.layers_ready,
-            source_tier=slot.source_tier)
+            source_tier=slot.source_tier, **self.sharing.model_fields(slot.name))
 
     def status(self) -> dict:
         st = DaemonStatus(
@@ -667,6 +682,10 @@ class Serving:
             models=[self.model_status(s) for _, s in sorted(self.slots.items())], num_in_flight=len(self.active),
             num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total)
         data = asdict(st)
+        data["device"] = {**self.device, "readings": self.sharing.readings}
+        sharing = self.sharing.status()
+        data["sharing"] = sharing["backend"]  # the partition backend and its one-line summary
+        data["partitions"], data["quotas"], data["arbiter"] = sharing["partitions"], sharing["quotas"], sharing["arbiter"]
         data["versions"] = self.router.status()
         data["weight_cache"] = self.cache.status()
         data["weight_cache"]["prefetch"] = {"enabled": self.config.cache.prefetch, **self.prefetch_stats.to_dict()}

@@ -18,7 +18,7 @@ from gpuservd.bench.output import run_dir
 from gpuservd.cli import daemon_cmds, remote
 from gpuservd.errors import UserError
 
-app = typer.Typer(help="Benchmarks: replay a workload (-w FILE), or `sweep` batch sizes.",
+app = typer.Typer(help="Benchmarks: replay a workload (-w FILE), or `sweep`, `cold-start`, `cache-trace`, `variant-load`, `isolation`.",
                   invoke_without_command=True, no_args_is_help=False, add_completion=False)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
@@ -143,3 +143,35 @@ def variant_load(
     from gpuservd.bench.variant_load import markdown, run_variant_load
 
     typer.echo(markdown(run_variant_load(model, run_dir(out, f"variant-{model}"), rank, repeats, threads, log=lambda m: typer.echo(m, err=True))))
+
+
+@app.command()
+def isolation(
+    small: str = typer.Option("smollm2", "--small", help="The latency-critical model (store name)."),
+    big: str = typer.Option("isolation-big", "--big", help="The best-effort model (default: a random ~476M Llama, "
+                            "made in the store on first use)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    duration: float = typer.Option(30.0, "--duration", min=2.0, help="Seconds per phase."),
+    small_rate: Optional[float] = typer.Option(None, "--small-rate", min=0.01, help="Small model requests/s "
+                                               "(Poisson; default 1.0)."),
+    big_concurrency: int = typer.Option(8, "--big-concurrency", min=1, help="Big model requests in flight."),
+    small_share: Optional[float] = typer.Option(None, "--small-share", min=0.05, max=0.95,
+                                                help="The small model's share of the device (default 0.6)."),
+    quanta: str = typer.Option("10,20,50", "--quanta", help="Time-slice quanta to measure the overhead at (ms)."),
+    overhead_s: float = typer.Option(15.0, "--overhead-seconds", min=2.0, help="Seconds per quantum measured."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-isolation)."),
+) -> None:
+    """Two models on one device (G5): the small model's P99 alone, naive and under the arbiter; time-slice overhead (G2)."""
+    from gpuservd.bench.isolation import IsolationSpec, markdown, run_isolation
+
+    qs = _batches(quanta)
+    if any(not 10 <= q <= 50 for q in qs):
+        raise UserError(f"--quanta must be in [10, 50] ms, got {quanta!r}")
+    spec = IsolationSpec(small=small, big=big, device=device, dtype=dtype, duration_s=duration,
+                         big_concurrency=big_concurrency, quanta=qs, overhead_s=overhead_s)
+    if small_rate is not None:
+        spec.small_rate = small_rate
+    if small_share is not None:
+        spec.small_share = small_share
+    typer.echo(markdown(run_isolation(spec, run_dir(out, "isolation"), log=lambda m: typer.echo(m, err=True))))

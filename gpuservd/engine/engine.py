@@ -72,13 +72,22 @@ class LLMEngine:
         # Layer granularity: interrupt(priority) -> True when a request more urgent than that priority
         # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).
         self.interrupt = None
-        # Between every two layers of every forward: yield_point(layer) may block while another model
-        # runs (the sharing arbiter's time slices, G2); None when this engine has the device to itself.
-        self.yield_point = None
+        self._yield_point = None
         self._suspended: _Suspended | None = None
         self._carried: list[RequestOutput] = []  # outputs of a suspended forward finished by an abort
         self.telemetry = Telemetry(config.telemetry_ring_size)
         self.requests: dict[str, Request] = {}
+
+    @property
+    def yield_point(self):
+        """yield_point(layer), called after each layer and halfway through it, may block while another
+        model runs (the sharing arbiter's time slices, G2); None when this engine has the device to itself."""
+        return self._yield_point
+
+    @yield_point.setter
+    def yield_point(self, fn) -> None:
+        self._yield_point = fn
+        self.runner.model.mid_layer = fn
 
     @classmethod
     def from_store(cls, model_name: str, config: EngineConfig | None = None, store=None) -> "LLMEngine":
@@ -124,6 +133,8 @@ class LLMEngine:
                 f"the request needs {need} KV blocks but the pool has {self.pool.num_blocks}; "
                 "lower max_tokens or raise engine.kv_cache_bytes"
             )
+        if need > self.pool.capacity:
+            raise UserError(self._quota_message(need))
         cap = self.scheduler.quota(tenant).max_kv_blocks
         if cap and need > cap:
             raise UserError(
@@ -152,6 +163,24 @@ class LLMEngine:
         req = self.requests.pop(request_id)
         self.scheduler.remove(req)
         return self._finish(req, RequestState.FINISHED_ABORTED, FinishReason.ABORT)
+
+    def _quota_message(self, need: int) -> str:
+        return (f"the request needs {need} KV blocks but model {self.name}'s memory quota allows "
+                f"{self.pool.capacity} (of its {self.pool.num_blocks}); lower max_tokens or raise "
+                f"sharing.models.{self.name}.memory_quota_bytes")
+
+    def unservable(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests that can no longer fit the KV pool's capacity: a memory quota
+        lowered below what they need (G3). Without a quota below the pool's size this is always empty."""
+        cap = self.pool.capacity
+        if cap >= self.pool.num_blocks:
+            return []
+        out = []
+        for rid, r in self.requests.items():
+            need = -(-(r.num_prompt_tokens + r.params.max_tokens) // self.config.block_size)
+            if need > cap:
+                out.append((rid, self._quota_message(need)))
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._carried)
@@ -224,7 +253,7 @@ class LLMEngine:
     def _layer_hook(self, sched: SchedulerOutput | None):
         """What the forward calls after each layer: the arbiter's yield point, then the suspend check."""
         check = self._suspend_check(sched) if sched is not None else None
-        yield_point = self.yield_point
+        yield_point = self._yield_point
         if yield_point is None:
             return check
 

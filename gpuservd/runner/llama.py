@@ -40,6 +40,9 @@ class LlamaModel:
         self._q_size = arch.num_heads * arch.head_dim
         # The fused C++ layer steps (cpu_kernels.py), built or loaded now rather than in the first step.
         self._ops = cpu_kernels.get() if self.device.type == "cpu" else None
+        # Called between a layer's attention and its MLP (the halfway point of every layer): the sharing
+        # arbiter's yield point, so a neighbour waits at most half a layer of this model (G2). None = no call.
+        self.mid_layer = None
 
     def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):
         """One decoder layer on hidden states h [T, D]; rope = (cos, sin) of the batch. Returns the new h [T, D]."""
@@ -55,6 +58,8 @@ class LlamaModel:
         v = qkv[:, a.num_heads + a.num_kv_heads :]
         attn = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)  # [T, H, hd]
         h = h + lw.o_proj(attn.reshape(t, self._q_size))
+        if self.mid_layer is not None:
+            self.mid_layer(i)
         x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
         gate, up = lw.gate_up(x).chunk(2, dim=-1)  # [T, I] each
         return h + lw.down(F.silu(gate) * up)
@@ -71,6 +76,8 @@ class LlamaModel:
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, store_kv=False)  # [T, H, hd]
         x = ops.add_rms_norm_(h, lw.o_proj(attn.reshape(t, self._q_size)), lw.post_norm, a.rms_norm_eps)
+        if self.mid_layer is not None:
+            self.mid_layer(i)
         return h.add_(lw.down(ops.silu_mul(lw.gate_up(x))))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:

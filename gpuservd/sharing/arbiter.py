@@ -12,7 +12,7 @@ model's virtual time advances by its run time divided by its share. A holder
 alone in its group keeps the group without switching.
 
 Priority (G5). A latency-critical model that has used no more than its share
-over the last ~2 s (an exponentially decayed average) goes first: it is picked
+over the last ~5 s (an exponentially decayed average) goes first: it is picked
 before best-effort models and it cuts a best-effort holder's quantum short at
 the holder's next layer boundary, so it waits at most one layer of the other
 model, not a whole step. Above its share it takes turns like everyone else, so
@@ -20,12 +20,17 @@ a best-effort model is never starved below its share.
 
 Bandwidth priority (G4). Memory bandwidth is shared even between partitions
 (and between a CPU's cores). Every `throttle.interval_ms` the controller looks
-at the latency-critical models' step times (from asking to run to the step's
-end) against their targets (`step_target_ms`, or 1.5x the median of its steps
-that ran with no other model running). Over target: each best-effort model's duty
+at the latency-critical models' decode steps (steps carrying prefill are long
+by nature and left out): their running time, the waits for the grant taken
+out, against their targets (`step_target_ms`, or 1.5x the median of its decode
+steps that ran while no other model ran). Waiting for a turn is the time
+slices' business (bounded by one layer); a step that *runs* slower than it does
+alone is slowed by a neighbour running at the same time: that is bandwidth. Over target: each best-effort model's duty
 cycle is multiplied by `throttle.decrease`; calm: raised by `throttle.increase`
 (AIMD, as TCP does). A best-effort model at duty d leaves the device idle for
-(1 - d) / d of its last step's time before its next step.
+(1 - d) / d of its last step's time before its next step. A latency-critical
+model with no target yet (no step of it ran alone: a neighbour always runs)
+counts as pressure until it has one: the neighbours are held back so it can.
 
 Switching cost. Each handoff is timed from the release to the moment the next
 holder's thread runs (`switch_s` in the `time_slice` event); the share of time
@@ -45,11 +50,12 @@ from dataclasses import dataclass, field
 
 from gpuservd.sharing.config import SharingClass, SharingConfig
 
-USAGE_TAU_S = 2.0  # time constant of the usage average that decides "within its share"
+USAGE_TAU_S = 5.0  # time constant of the usage average that decides "within its share"
 SHARE_TOLERANCE = 0.02  # a latency-critical model up to this much over its share still goes first
 TARGET_FACTOR = 1.5  # default step target = this x the model's median step time when alone
 SOLO_WINDOW = 64  # steps kept to learn that median
-MAX_THROTTLE_SLEEP_S = 0.5  # a throttled best-effort model never pauses longer than this at once
+MAX_THROTTLE_SLEEP_S = 0.5
+VTIME_BOUND_QUANTA = 2  # a model joining the queue is at most this many quanta ahead of or behind the others  # a throttled best-effort model never pauses longer than this at once
 
 
 @dataclass
@@ -202,17 +208,20 @@ class Arbiter:
                     m.num_cut_short += 1
                 self._wait_for_grant(g, m)
 
-    def _end_step(self, m: ModelShare) -> None:
+    def _end_step(self, m: ModelShare, decode_only: bool = True) -> None:
+        """decode_only: the step carried no prefill. Only such steps feed the bandwidth signal: a prefill
+        step is long by nature, and what a stream waits between two tokens is a decode step."""
         now = self.clock()
         with self._cond:
             latency = now - m.t_want
             m.num_steps += 1
             m.last_step_end = now
             m.last_step_s = latency - m.waited_s
-            m.recent_latency.append(latency)
-            m.interval_steps.append(latency)
-            if not m.overlapped and m.waited_s < 1e-4 and not self._others_running(m):
-                m.solo_steps.append(latency)
+            if decode_only:
+                m.recent_latency.append(latency)
+                m.interval_steps.append(m.last_step_s)
+                if not m.overlapped and not self._others_running(m):
+                    m.solo_steps.append(m.last_step_s)
             if now - self._last_govern >= self.config.throttle.interval_ms / 1000:
                 self._govern(now)
 
@@ -306,8 +315,9 @@ class Arbiter:
         t0 = self.clock()
         if m.name not in g.waiting:
             others = [x.vtime for x in self._models.values() if x.group == g.name and x is not m]
-            if others and m.vtime < min(others) - self.quantum_s / m.share:
-                m.vtime = min(others) - self.quantum_s / m.share  # an idle spell banks one quantum, no more
+            if others:  # credit from an idle spell, or debt from running first, of two quanta at most
+                bound = VTIME_BOUND_QUANTA * self.quantum_s / m.share
+                m.vtime = min(max(m.vtime, min(others) - bound), min(others) + bound)
             g.waiting[m.name] = (m, t0)
         while g.holder is not m and not m.closed:
             self._cond.wait(0.5)
@@ -353,12 +363,17 @@ class Arbiter:
             if not m.latency_critical or not steps:
                 continue
             target = m.target_s()
-            if target is None:
-                continue
             p90 = sorted(steps)[min(len(steps) - 1, int(0.9 * len(steps)))]
-            if p90 > target and pressure is None:
+            if target is None:
+                # No step of it has run alone yet (a best-effort neighbour is always running): hold the
+                # neighbours back until it has, or it would never learn what its steps should take.
+                if pressure is None and any(not x.latency_critical for x in self._models.values()):
+                    pressure = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
+                                "target_ms": None, "reason": "calibrating"}
+                continue
+            if p90 > target and (pressure is None or pressure.get("reason") == "calibrating"):
                 pressure = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
-                            "target_ms": round(1000 * target, 3)}
+                            "target_ms": round(1000 * target, 3), "reason": "over target"}
         if not self.config.bandwidth_priority:
             return
         for m in self._models.values():
@@ -407,8 +422,8 @@ class Arbiter:
                     "num_slices": m.num_slices, "num_cut_short": m.num_cut_short, "run_s": round(m.run_s, 4),
                     "wait_s": round(m.wait_s, 4), "num_steps": m.num_steps,
                     "throttle_wait_s": round(m.throttle_wait_s, 4),
-                    "step_ms_p50": round(1000 * lat[len(lat) // 2], 3) if lat else None,
-                    "step_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+                    "decode_step_ms_p50": round(1000 * lat[len(lat) // 2], 3) if lat else None,
+                    "decode_step_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
                     "step_target_ms": round(1000 * target, 3) if target else None,
                 }
             return {"enabled": True, "quantum_ms": self.config.quantum_ms, "device": self.device,
@@ -431,8 +446,8 @@ class ArbiterHandle:
     def between_layers(self, layer: int) -> None:
         self.arbiter._between_layers(self.share)
 
-    def end_step(self) -> None:
-        self.arbiter._end_step(self.share)
+    def end_step(self, decode_only: bool = True) -> None:
+        self.arbiter._end_step(self.share, decode_only)
 
     def idle(self) -> None:
         self.arbiter._idle(self.share)

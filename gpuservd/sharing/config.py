@@ -128,7 +128,10 @@ def sharing_from_dict(data: dict | None, where: str) -> SharingConfig:
     backend = raw.pop("backend", None)
     _fill(cfg, raw, where, "sharing.")
     if backend is not None:
-        cfg.backend = Backend.parse(str(backend))
+        try:
+            cfg.backend = Backend.parse(str(backend))
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
     if not isinstance(models, dict):
         raise UserError(f"{where}: sharing.models must map model names to {{share, class, ...}}")
     for name, spec in models.items():

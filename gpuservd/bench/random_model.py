@@ -1,0 +1,76 @@
+"""A random-weight Llama of a chosen size, written straight into the model store.
+
+The isolation benchmark needs a best-effort model several times larger than
+SmolLM2 (no model hub at run time), so it makes one: HF Llama tensor names,
+weights drawn from N(0, 0.02) (what an untrained model would have), SmolLM2's
+tokenizer copied beside them so both models read the same prompts. The store
+writes it atomically like any import, so a run killed half way leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+
+from gpuservd.errors import UserError
+
+
+@dataclass
+class LlamaShape:
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    vocab_size: int = 49152
+
+    def num_parameters(self) -> int:
+        h, kv = self.hidden_size, self.hidden_size * self.num_key_value_heads // self.num_attention_heads
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        return self.num_hidden_layers * per_layer + self.vocab_size * h + h  # tied lm_head
+
+
+def ensure_random_llama(store, name: str, shape: LlamaShape, tokenizer_from: str, seed: int = 0) -> str:
+    """Write `name` into the store unless it is there with this shape; returns the name."""
+    if name in store.names():
+        cfg = json.loads((store.path(name) / "config.json").read_text())
+        if all(cfg.get(k) == v for k, v in shape.__dict__.items()):
+            return name
+        raise UserError(f"model {name} is in the store with another shape; remove it (gpuserv models rm {name})")
+    if tokenizer_from not in store.names():
+        raise UserError(f"model {tokenizer_from} (whose tokenizer the random model borrows) is not in the store; "
+                        f"run: gpuserv pull {tokenizer_from}")
+    import torch
+    from safetensors.torch import save_file
+
+    src = store.path(tokenizer_from)
+    with store.staging(name, source=f"random:{shape.num_parameters()}") as tmp:
+        for f in src.iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+                shutil.copy(f, tmp / f.name)
+        base = json.loads((src / "config.json").read_text())
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                  "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                  "tie_word_embeddings": True, "torch_dtype": "float32",
+                  "bos_token_id": base.get("bos_token_id", 1), "eos_token_id": base.get("eos_token_id", 2),
+                  **shape.__dict__}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        g = torch.Generator().manual_seed(seed)
+        h, kv = shape.hidden_size, shape.hidden_size * shape.num_key_value_heads // shape.num_attention_heads
+
+        def w(*size):
+            return torch.randn(*size, generator=g).mul_(0.02)
+
+        tensors = {"model.embed_tokens.weight": w(shape.vocab_size, h), "model.norm.weight": torch.ones(h)}
+        for i in range(shape.num_hidden_layers):
+            p = f"model.layers.{i}."
+            tensors.update({p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
+                          p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
+                          p + "mlp.gate_proj.weight": w(shape.intermediate_size, h),
+                          p + "mlp.up_proj.weight": w(shape.intermediate_size, h),
+                          p + "mlp.down_proj.weight": w(h, shape.intermediate_size),
+                          p + "input_layernorm.weight": torch.ones(h),
+                          p + "post_attention_layernorm.weight": torch.ones(h)})
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return name
