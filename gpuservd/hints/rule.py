@@ -83,7 +83,8 @@ class Rule:
 
 
 def _has_reading(key: str) -> Callable[[Window], bool]:
-    return lambda w: any(key in r for r in w.readings)
+    """Fed when a reading has a value: on a CPU the readings carry the key as null (with a reason)."""
+    return lambda w: any(r.get(key) is not None for r in w.readings)
 
 
 # input name -> (is it fed in this window?, where it must come from when it is not)
@@ -93,18 +94,20 @@ INPUTS: dict[str, tuple[Callable[[Window], bool], str]] = {
     "preemptions": (lambda w: True, "preemption events / step records' preempted_ids"),
     "swaps": (lambda w: True, "swap events / step records' swaps"),
     "sm_util": (_has_reading("sm_util_pct"),
-                "status.device.readings.sm_util_pct (NVML utilisation.gpu); no GPU readings in this daemon"),
-    "device_health": (lambda w: any(("xid_errors_total" in r or "health" in r) for r in w.readings)
+                "status.device.readings.sm_util_pct (NVML utilisation.gpu); null here (no CUDA device or no NVML)"),
+    "device_health": (lambda w: any((r.get("xid_errors_total") is not None or r.get("health") is not None)
+                                    for r in w.readings)
                       or any(e.get("type") == "device_error" for e in w.events),
                       "status.device.readings.health / xid_errors_total or device_error events (NVML); "
-                      "no NVML in this daemon"),
+                      "null here (no CUDA device or no NVML)"),
     "weight_cache": (lambda w: any(s.get("hits") is not None for s in w.weight_cache),
                      "status.weight_cache.hits / misses per tier (the weight cache)"),
     "evictions": (lambda w: any(s.get("hits") is not None for s in w.weight_cache)
                   or any(_is_eviction(e) for e in w.events),
                   "model_evict events (the weight cache's LRU)"),
     "time_slices": (lambda w: any(e.get("type") == "time_slice" for e in w.events),
-                    "time_slice events (run_s, switch_s, quantum_ms) from the arbiter; no arbiter in this daemon yet"),
+                    "time_slice events (run_s, switch_s, quantum_ms) from the arbiter: two models of one group with "
+                    "work at the same time (none yet, or sharing.enabled is false)"),
     "sharing": (lambda w: sum(1 for s in w.steps.values() if s) >= 2,
                 "step records of two or more models on one device (load a second model)"),
     "sweep": (lambda w: bool(w.sweeps), "a `gpuserv bench sweep --model M` result for the served model"),

@@ -1,10 +1,14 @@
 """Rules over the device: utilisation readings, health, time slices, and models sharing one device.
 
-Fed in this daemon: `sharing_contention` (step records of co-resident models).
-Not fed yet (no NVML, no arbiter): `bandwidth_bound` reads
-`status.device.readings.sm_util_pct` / `mem_bw_util_pct`; `device_errors` reads
-`readings.health` / `readings.xid_errors_total` or `device_error` events;
-`timeslice_overhead` reads `time_slice` events (`run_s`, `switch_s`, `quantum_ms`).
+Inputs: `sharing_contention` reads step records of co-resident models and their
+`sharing_class` (status.models); `timeslice_overhead` reads the arbiter's
+`time_slice` events (`run_s`, `switch_s`, `quantum_ms`); `bandwidth_bound`
+reads `status.device.readings` (gpu/readings.py: NVML on CUDA; SM activity
+from GPM where the GPU has it, else NVML's utilisation, which reads ~100% on
+memory-bound decode and so rarely fires); `device_errors` reads the readings'
+`health` / `xid_errors_total` or `device_error` events. On a CPU the device
+readings are None with a reason, so the two reading rules report that input
+as missing rather than guessing.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from gpuservd.hints.window import Window, mean, pct, r3
 
 def bandwidth_bound(w: Window, model: str, th: Thresholds) -> dict | None:
     """O1: SM utilisation low while steps are slow -> the SMs wait on memory."""
-    readings = [r for r in w.recent_readings(th.step_span_s) if r.get("sm_util_pct") is not None]
+    def sm_of(r: dict):  # GPM's SM activity when the GPU has it: NVML's utilisation counts any kernel as busy
+        return r.get("sm_active_pct") if r.get("sm_active_pct") is not None else r.get("sm_util_pct")
+
+    readings = [r for r in w.recent_readings(th.step_span_s) if sm_of(r) is not None]
     steps = w.recent_steps(model, th.step_span_s)
     if not readings or len(steps) < th.min_steps:
         return None
-    sm = mean(r["sm_util_pct"] for r in readings)
+    sm = mean(sm_of(r) for r in readings)
     mem_values = [r["mem_bw_util_pct"] for r in readings if r.get("mem_bw_util_pct") is not None]
     mem = mean(mem_values) if mem_values else None
     step_p50 = pct([s["wall_s"] for s in steps], 50)
