@@ -473,7 +473,10 @@ def run_part(name: str, payload: dict, limit: float) -> dict:
 
 
 def run_isolation(out_dir: Path, limit: float) -> dict:
-    cmd = [sys.executable, "-m", "gpuservd.cli.main", "bench", "isolation", "--device", "cuda:0", "--out",
+    # isolation-small: SmolLM2's shape with random weights (the device machine cannot pull SmolLM2); phases
+    # short enough for the check's time budget.
+    cmd = [sys.executable, "-m", "gpuservd.cli.main", "bench", "isolation", "--device", "cuda:0", "--dtype",
+           "bfloat16", "--small", "isolation-small", "--duration", "15", "--overhead-seconds", "8", "--out",
            str(out_dir)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     t0 = time.time()

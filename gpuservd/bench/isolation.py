@@ -356,11 +356,13 @@ async def _overhead(drv: _Driver, spec: IsolationSpec, log):
 def run_isolation(spec: IsolationSpec, out_dir: Path, log=print) -> dict:
     import torch
 
-    from gpuservd.bench.random_model import LlamaShape, ensure_random_llama
+    from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
     from gpuservd.store.store import ModelStore
 
-    if spec.big == IsolationSpec.big:
-        ensure_random_llama(ModelStore(), spec.big, LlamaShape(), tokenizer_from=spec.small)
+    store = ModelStore()
+    for name in (spec.small, spec.big):  # the benchmark's own random models are made on first use
+        if name in RANDOM_MODELS:
+            ensure_random_llama(store, name, RANDOM_MODELS[name], tokenizer_from="smollm2")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     body = asyncio.run(_main(spec, log))
     ph = body["phases"]

@@ -31,25 +31,54 @@ class LlamaShape:
         return self.num_hidden_layers * per_layer + self.vocab_size * h + h  # tied lm_head
 
 
-def ensure_random_llama(store, name: str, shape: LlamaShape, tokenizer_from: str, seed: int = 0) -> str:
-    """Write `name` into the store unless it is there with this shape; returns the name."""
+# SmolLM2-135M's shape: a stand-in for it where it cannot be pulled (a GPU machine without network).
+SMOLLM2_SHAPE = LlamaShape(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, vocab_size=49152)
+RANDOM_MODELS = {"isolation-big": LlamaShape(), "isolation-small": SMOLLM2_SHAPE}
+
+
+def _byte_level_tokenizer(path) -> None:
+    """A small byte-level BPE with ChatML's special tokens (ids 0-2, as in SmolLM2), trained in-process:
+    the benchmarks send token ids, so only the special tokens and a working decoder matter."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 0123456789"] * 8,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                          "{% endif %}")
+    fast.save_pretrained(path)
+
+
+def ensure_random_llama(store, name: str, shape: LlamaShape, tokenizer_from: str | None = None, seed: int = 0) -> str:
+    """Write `name` into the store unless it is there with this shape; returns the name. The tokenizer is
+    `tokenizer_from`'s when that model is in the store, else a small trained byte-level BPE."""
     if name in store.names():
         cfg = json.loads((store.path(name) / "config.json").read_text())
         if all(cfg.get(k) == v for k, v in shape.__dict__.items()):
             return name
         raise UserError(f"model {name} is in the store with another shape; remove it (gpuserv models rm {name})")
-    if tokenizer_from not in store.names():
-        raise UserError(f"model {tokenizer_from} (whose tokenizer the random model borrows) is not in the store; "
-                        f"run: gpuserv pull {tokenizer_from}")
     import torch
     from safetensors.torch import save_file
 
-    src = store.path(tokenizer_from)
+    src = store.path(tokenizer_from) if tokenizer_from and tokenizer_from in store.names() else None
     with store.staging(name, source=f"random:{shape.num_parameters()}") as tmp:
-        for f in src.iterdir():
-            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
-                shutil.copy(f, tmp / f.name)
-        base = json.loads((src / "config.json").read_text())
+        if src is not None:
+            for f in src.iterdir():
+                if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+                    shutil.copy(f, tmp / f.name)
+            base = json.loads((src / "config.json").read_text())
+        else:
+            _byte_level_tokenizer(tmp)
+            base = {"bos_token_id": 1, "eos_token_id": 2}
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                   "tie_word_embeddings": True, "torch_dtype": "float32",

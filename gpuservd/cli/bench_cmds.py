@@ -147,7 +147,8 @@ def variant_load(
 
 @app.command()
 def isolation(
-    small: str = typer.Option("smollm2", "--small", help="The latency-critical model (store name)."),
+    small: str = typer.Option("smollm2", "--small", help="The latency-critical model (store name; isolation-small: "
+                              "SmolLM2's shape with random weights, made on first use)."),
     big: str = typer.Option("isolation-big", "--big", help="The best-effort model (default: a random ~476M Llama, "
                             "made in the store on first use)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
