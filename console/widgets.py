@@ -99,6 +99,14 @@ class Panel(Static):
     def show(self, content) -> None:
         self.update(content)
 
+    def on_resize(self) -> None:
+        # Some panels fit their text to their width (the dashboard's chart and Device lines, the arbiter's
+        # table): draw the screen again at the new width. A screen shown for the first time is drawn before
+        # its layout settles (the wide breakpoint applies later), so its own resize is not enough.
+        redraw = getattr(self.screen, "redraw", None)
+        if redraw is not None:
+            self.call_after_refresh(redraw)
+
 
 class StatusBar(Static):
     """Two lines on top of every screen: the connection and daemon, then the screens with the current one marked."""

@@ -80,7 +80,83 @@ def swap_text(state) -> str:
     return "\n".join(lines)
 
 
-def device_text(state) -> str:
+# The device fields the Device panel shows (gpuservd/gpu/readings.py DEVICE_FIELDS, the ones worth a glance).
+SHOWN_DEVICE_FIELDS = ("sm_util_pct", "sm_active_pct", "mem_bw_util_pct", "mem_used_bytes", "mem_total_bytes",
+                       "temperature_c", "power_w", "health", "xid_errors_total")
+
+
+def _pct(v) -> str:
+    return f"{v:.0f}%"
+
+
+def used_of_total(used, total) -> str:
+    """`60.1/139.7 GiB`: both in the total's unit."""
+    if used is None or not total:
+        return f"{fmt_bytes(used)}/{fmt_bytes(total)}"
+    unit, scale = "B", 1
+    for u in ("KiB", "MiB", "GiB", "TiB"):
+        if total / (scale * 1024) < 1:
+            break
+        unit, scale = u, scale * 1024
+    return f"{used / scale:.1f}/{total / scale:.1f} {unit}"
+
+
+def readings_lines(r: dict, width: int = 36) -> list[str]:
+    """The device part of a reading (only what has a value), packed into lines of `width`, or why there is none.
+
+    Utilisation and memory first, then health and Xids (so a narrow panel's three lines still show them),
+    then throttling, temperature and power."""
+    if all(r.get(k) is None for k in SHOWN_DEVICE_FIELDS):
+        why = r.get("unavailable") or {}
+        reasons = [why[k] for k in SHOWN_DEVICE_FIELDS if why.get(k)] or list(why.values())
+        return [f"device readings unavailable: {reasons[0] if reasons else 'no reason given'}"]
+    parts = []
+    if r.get("sm_util_pct") is not None:
+        sm = f"SM {_pct(r['sm_util_pct'])}"
+        if r.get("sm_active_pct") is not None:
+            sm += f" (active {_pct(r['sm_active_pct'])})"
+        parts.append(sm)
+    elif r.get("sm_active_pct") is not None:
+        parts.append(f"SM active {_pct(r['sm_active_pct'])}")
+    if r.get("mem_bw_util_pct") is not None:
+        parts.append(f"mem BW {_pct(r['mem_bw_util_pct'])}")
+    if r.get("mem_used_bytes") is not None or r.get("mem_total_bytes") is not None:
+        parts.append(f"mem {used_of_total(r.get('mem_used_bytes'), r.get('mem_total_bytes'))}")
+    if r.get("health") is not None:
+        health = f"health {r['health']}"
+        if r["health"] != "ok" and r.get("health_reasons"):
+            health += f" ({', '.join(map(str, r['health_reasons']))})"
+        parts.append(health)
+    if r.get("xid_errors_total") is not None:
+        xid = f"Xid {r['xid_errors_total']}"
+        if r.get("last_xid") is not None:
+            xid += f" (last {r['last_xid']})"
+        parts.append(xid)
+    if r.get("throttle_reasons"):
+        parts.append(f"throttled: {', '.join(map(str, r['throttle_reasons']))}")
+    if r.get("temperature_c") is not None:
+        parts.append(f"{r['temperature_c']:.0f}°C")
+    if r.get("power_w") is not None:
+        parts.append(f"{r['power_w']:.0f} W")
+    lines = [parts[0]]
+    for p in parts[1:]:  # a field is never split across lines
+        if len(lines[-1]) + 2 + len(p) <= width:
+            lines[-1] += "  " + p
+        else:
+            lines.append(p)
+    return lines
+
+
+def host_line(r: dict) -> str | None:
+    parts = []
+    if r.get("cpu_util_pct") is not None:
+        parts.append(f"CPU {_pct(r['cpu_util_pct'])}")
+    if r.get("process_rss_bytes") is not None:
+        parts.append(f"RSS {fmt_bytes(r['process_rss_bytes'])}")
+    return "  ".join(parts) or None
+
+
+def device_text(state, width: int = 36) -> str:
     dev = (state.status or {}).get("device") or {}
     if not dev:
         return f"device: {NOT_REPORTED}"
@@ -90,7 +166,13 @@ def device_text(state) -> str:
     readings = state.device_readings()
     if readings is None:
         return f"{name}\nreadings {UNAVAILABLE} (not reported by this daemon)"
-    return name + "\n" + "  ".join(f"{k} {v}" for k, v in readings.items())
+    lines = [name] + readings_lines(readings, width)
+    host = host_line(readings)
+    if host and len(name) + 2 + len(host) <= width:
+        lines[0] = f"{name}  {host}"  # a narrow panel has three lines: keep the host beside the name
+    elif host:
+        lines.append(f"host {host}")
+    return "\n".join(lines)
 
 
 def hints_text(state) -> str:
@@ -127,5 +209,6 @@ class DashboardScreen(ConsoleScreen):
         pre.border_title = f"Preemptions ({len(state.log('preemption'))})"
         pre.show(preemption_text(state, max(1, pre.content_size.height or 3), pre.content_size.width or 36))
         self.query_one("#swap", Panel).show(swap_text(state))
-        self.query_one("#device", Panel).show(device_text(state))
+        dev = self.query_one("#device", Panel)
+        dev.show(device_text(state, dev.content_size.width or 36))
         self.query_one("#hints", Panel).show(hints_text(state))
