@@ -10,23 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuservd.cli.main import app
+from cli_invoke import invoke
 
 runner = CliRunner()
 
 
-def invoke(*args):
-    """Run the CLI the way the console script does (main() turns UserError into exit 2)."""
-    from gpuservd.cli import main as cli_main
-
-    argv = sys.argv
-    sys.argv = ["gpuserv", *args]
-    try:
-        cli_main.main()
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        sys.argv = argv
-    return 0
 
 
 def test_generate_local_streams_a_reply(store_home, capsys):

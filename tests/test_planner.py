@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from cli_invoke import invoke
 from gpuservd.cli.main import app
 from gpuservd.errors import UserError
 from gpuservd.sharing.config import sharing_from_dict
@@ -310,19 +310,6 @@ def test_a_bad_profile_file_names_the_key(tmp_path, monkeypatch):
 
 # ---- gpuserv plan ------------------------------------------------------------------------------
 
-def invoke_main(*args):
-    """The CLI as the console script runs it (main() turns a UserError into one line and exit 2)."""
-    from gpuservd.cli import main as cli_main
-
-    argv = sys.argv
-    sys.argv = ["gpuserv", *args]
-    try:
-        cli_main.main()
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        sys.argv = argv
-    return 0
 
 
 def test_cli_plan_prints_the_seed_numbers():
@@ -386,7 +373,7 @@ def test_cli_plan_mistakes_are_one_line_exit_2(store_home, tmp_path, capsys, arg
         paths[key] = tmp_path / f"{key}.yaml"
         paths[key].write_text(text)
     args = [a.format(**{k: str(v) for k, v in paths.items()}) for a in args]
-    code = invoke_main(*args)
+    code = invoke(*args)
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

@@ -145,12 +145,16 @@ class NvmlDevice:
             n.nvmlDeviceRegisterEvents(self.handle, xid, self._events)
         except Exception as exc:
             self._xid_reason = f"Xid events: {_text(exc)}"
-            if self._events is not None:
-                try:
-                    n.nvmlEventSetFree(self._events)
-                except Exception:
-                    pass
-            self._events = None
+            self._free_events()
+
+    def _free_events(self) -> None:
+        """Release the Xid event set (if any); a failure to free it is not worth a reading."""
+        if self._events is not None:
+            try:
+                self.nvml.nvmlEventSetFree(self._events)
+            except Exception:
+                pass
+        self._events = None
 
     # ---- one read ---------------------------------------------------------------------------------
     def _group(self, name: str, fields: tuple, fn, values: dict, unavailable: dict) -> bool:
@@ -382,12 +386,7 @@ class NvmlDevice:
             except Exception:
                 pass
         self._gpm_samples = []
-        if self._events is not None:
-            try:
-                n.nvmlEventSetFree(self._events)
-            except Exception:
-                pass
-            self._events = None
+        self._free_events()
         try:
             n.nvmlShutdown()
         except Exception:

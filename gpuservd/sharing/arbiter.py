@@ -320,6 +320,10 @@ class Arbiter:
                 m.vtime = min(max(m.vtime, min(others) - bound), min(others) + bound)
             g.waiting[m.name] = (m, t0)
         while g.holder is not m and not m.closed:
+            if g.holder is None and self._pick(g, include=None) is m:  # nobody to hand over (not expected)
+                del g.waiting[m.name]
+                g.holder, g.released_by = m, ""
+                break
             self._cond.wait(0.5)
         now = self.clock()
         waited = now - t0
