@@ -57,7 +57,7 @@ class IsolationSpec:
     small_output: int = 4
     big_concurrency: int = 8
     big_prompt: int = 32
-    big_output: int = 128
+    big_output: int = 128  # the mean: each request draws 64-192
     quanta: list = field(default_factory=lambda: [10, 20, 50])
     overhead_s: float = 15.0
     small_share: float = 0.6
@@ -154,7 +154,10 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
             loop.call_soon(start_big)
 
     def start_big() -> None:
-        t = drv.submit(spec.big, _prompt(big_rng, spec.big_prompt), spec.big_output, big_done)
+        # Lengths vary (0.5x-1.5x, mean big_output) so the closed loop does not settle into waves of
+        # requests that start and finish together (a window's count would then depend on its phase).
+        out = big_rng.randint(spec.big_output // 2, spec.big_output * 3 // 2)
+        t = drv.submit(spec.big, _prompt(big_rng, spec.big_prompt), out, big_done)
         big_tracks.append(t)
         pending.add(t)
 
@@ -165,7 +168,8 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
             loop.call_soon(start_small_closed)
 
     def start_small_closed() -> None:
-        t = drv.submit(spec.small, _prompt(small_rng, spec.small_prompt), spec.small_output, small_closed_done)
+        out = small_rng.randint(max(1, spec.small_output // 2), spec.small_output * 3 // 2 + 1)
+        t = drv.submit(spec.small, _prompt(small_rng, spec.small_prompt), out, small_closed_done)
         small_tracks.append(t)
         pending.add(t)
 
@@ -411,7 +415,8 @@ def markdown(r: dict) -> str:
     spec = r["spec"]
     lines = [f"# Isolation: {spec['small']} (latency critical) + {spec['big']} (best effort) on {spec['device']}", "",
              f"small: Poisson {spec['small_rate']}/s, {spec['small_prompt']} -> {spec['small_output']} tokens; "
-             f"big: {spec['big_concurrency']} in flight, {spec['big_prompt']} -> {spec['big_output']} tokens; "
+             f"big: {spec['big_concurrency']} in flight, {spec['big_prompt']} -> {spec['big_output'] // 2}-"
+             f"{spec['big_output'] * 3 // 2} tokens; "
              f"{spec['duration_s']:.0f} s a phase.", "",
              "| phase | small step P50 / P99 ms | small request P50 / P99 ms | big tokens/s | foreign CPU |",
              "|---|---|---|---|---|"]
