@@ -207,6 +207,7 @@ class Daemon:
         log.info("listening on %s%s (tenants: %s)", self.socket_path or "activated socket",
                  f" and tcp {s.tcp}" if s.tcp else "", tenants.path or "built-in default")
         self.notifier.status(f"loading {', '.join(s.models)}")
+        await asyncio.to_thread(serving.sharing.prepare, s.models)  # SM partitions before any engine (G1)
         await self._load_models(s.models)
         if serving.state == "starting":
             serving.state = "serving"

@@ -234,3 +234,20 @@ def test_a_latency_critical_model_never_alone_gets_its_neighbours_held_back_to_l
     assert st["small"]["step_target_ms"] is not None
     ev = [e for e in arb.take_events() if e["type"] == "bandwidth_throttle"]
     assert any(e.get("reason") == "calibrating" for e in ev)
+
+
+def test_device_memory_bandwidth_over_threshold_is_pressure():
+    """G4 on Hopper: NVML GPM's DRAM bandwidth use above the threshold throttles best effort even when the
+    latency-critical model's steps look fine; an old or missing reading does nothing."""
+    t = ThrottleConfig(increase=0.25, decrease=0.5, min_duty=0.1, interval_ms=20, mem_bw_threshold_pct=80)
+    arb = Arbiter(cfg(throttle=t))
+    small = arb.register("small", "g1", 0.5, LC, step_target_ms=1000)  # its steps never pass this
+    big = arb.register("big", "g2", 0.5, BE)
+    arb.observe_readings({"mem_bw_util_pct": None})
+    run_all([Worker(small, 1, 0.002, time.perf_counter() + 0.2), Worker(big, 1, 0.002, time.perf_counter() + 0.2)])
+    assert arb.status()["models"]["big"]["duty"] == 1.0
+    arb.observe_readings({"mem_bw_util_pct": 95.0})
+    run_all([Worker(small, 1, 0.002, time.perf_counter() + 0.3), Worker(big, 1, 0.002, time.perf_counter() + 0.3)])
+    assert arb.status()["models"]["big"]["duty"] < 1.0
+    ev = [e for e in arb.take_events() if e["type"] == "bandwidth_throttle"]
+    assert any(e.get("reason") == "memory bandwidth" and e["mem_bw_util_pct"] == 95.0 for e in ev)

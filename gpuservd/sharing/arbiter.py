@@ -24,10 +24,12 @@ at the latency-critical models' decode steps (steps carrying prefill are long
 by nature and left out): their running time, the waits for the grant taken
 out, against their targets (`step_target_ms`, or 1.5x the median of its decode
 steps that ran while no other model ran). Waiting for a turn is the time
-slices' business (bounded by one layer); a step that *runs* slower than it does
-alone is slowed by a neighbour running at the same time: that is bandwidth. Over target: each best-effort model's duty
-cycle is multiplied by `throttle.decrease`; calm: raised by `throttle.increase`
-(AIMD, as TCP does). A best-effort model at duty d leaves the device idle for
+slices' business (bounded by half a layer); a step that *runs* slower than it
+does alone is slowed by a neighbour running at the same time: that is
+bandwidth. On Hopper+ the device's own DRAM bandwidth use (NVML GPM) above
+`throttle.mem_bw_threshold_pct` is pressure too. Under pressure each
+best-effort model's duty cycle is multiplied by `throttle.decrease`; calm:
+raised by `throttle.increase` (AIMD, as TCP does). A best-effort model at duty d leaves the device idle for
 (1 - d) / d of its last step's time before its next step. A latency-critical
 model with no target yet (no step of it ran alone: a neighbour always runs)
 counts as pressure until it has one: the neighbours are held back so it can.
@@ -131,6 +133,7 @@ class Arbiter:
         self.num_switches = 0
         self.slice_run_s = 0.0
         self.num_throttle_changes = 0
+        self._mem_bw: tuple[float, float] | None = None  # (monotonic time, device memory-bandwidth use %)
 
     # ---- membership -------------------------------------------------------------------------------
     def register(self, name: str, group: str, share: float, sharing_class: SharingClass,
@@ -378,6 +381,12 @@ class Arbiter:
             if p90 > target and (pressure is None or pressure.get("reason") == "calibrating"):
                 pressure = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
                             "target_ms": round(1000 * target, 3), "reason": "over target"}
+        bw = self._mem_bw
+        if (pressure is None and bw is not None and now - bw[0] < 3.0 and bw[1] > t.mem_bw_threshold_pct
+                and any(m.latency_critical for m in self._models.values())):
+            pressure = {"latency_critical": next(m.name for m in self._models.values() if m.latency_critical),
+                        "mem_bw_util_pct": round(bw[1], 1), "threshold_pct": t.mem_bw_threshold_pct,
+                        "reason": "memory bandwidth"}
         if not self.config.bandwidth_priority:
             return
         for m in self._models.values():
@@ -397,6 +406,12 @@ class Arbiter:
     def _event(self, fields: dict) -> None:
         self._events.append({"type": "time_slice", "t": time.time(), "device": self.device,
                              "quantum_ms": self.config.quantum_ms, **fields})
+
+    def observe_readings(self, readings: dict | None) -> None:
+        """The device's memory-bandwidth use (NVML GPM on Hopper+; None elsewhere), for G4's controller."""
+        value = (readings or {}).get("mem_bw_util_pct")
+        if value is not None:
+            self._mem_bw = (self.clock(), float(value))
 
     # ---- reading ----------------------------------------------------------------------------------
     def take_events(self) -> list[dict]:

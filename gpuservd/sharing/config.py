@@ -7,7 +7,7 @@
       quantum_ms: 20             # time slice among models sharing an SM group (G2), 10-50
       headroom: 0.2              # memory quota = (weights + peak KV + activations + overhead) x 1.2 (G3)
       bandwidth_priority: true   # throttle best-effort models while a latency-critical one is slow (G4)
-      throttle: {increase: 0.05, decrease: 0.5, min_duty: 0.05, interval_ms: 200}
+      throttle: {increase: 0.05, decrease: 0.5, min_duty: 0.05, interval_ms: 200, mem_bw_threshold_pct: 90}
       models:
         chat:       {share: 0.4, class: latency_critical, step_target_ms: 50}
         classifier: {share: 0.35, class: best_effort, group: batch}
@@ -62,6 +62,7 @@ class ThrottleConfig:
     decrease: float = 0.5  # duty cycle multiplied by this when a latency-critical model is slow
     min_duty: float = 0.05  # never throttled below this share of the time
     interval_ms: float = 200.0  # how often the controller looks
+    mem_bw_threshold_pct: float = 90.0  # device memory-bandwidth use (NVML GPM, Hopper+) above this is pressure too
 
 
 @dataclass
@@ -81,9 +82,10 @@ class SharingConfig:
         if not 0 <= self.headroom < 1:
             raise UserError(f"sharing.headroom must be in [0, 1), got {self.headroom}")
         t = self.throttle
-        if not 0 < t.decrease < 1 or not 0 < t.increase <= 1 or not 0 < t.min_duty <= 1 or t.interval_ms <= 0:
+        if not 0 < t.decrease < 1 or not 0 < t.increase <= 1 or not 0 < t.min_duty <= 1 or t.interval_ms <= 0 \
+                or not 0 < t.mem_bw_threshold_pct <= 100:
             raise UserError("sharing.throttle: decrease must be in (0, 1), increase and min_duty in (0, 1], "
-                            "interval_ms > 0")
+                            "interval_ms > 0, mem_bw_threshold_pct in (0, 100]")
         total = sum(m.share for m in self.models.values())
         if total > 1.0 + 1e-9:
             raise UserError(f"sharing.models: the shares add up to {total:.2f}; they must add up to at most 1.0")

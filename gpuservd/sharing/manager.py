@@ -75,6 +75,25 @@ class SharingManager:
         if self.arbiter is not None:
             self.arbiter.reconfigure(sc, sc.shares(self.names))
 
+    def prepare(self, names: list[str]) -> dict:
+        """At start, before any engine: an enforcing backend makes the SM groups of the plan for these models
+        and the ones sharing.models lists, all at once (disjoint). Models loaded later bind to their group
+        when the plan has it; a group the start plan lacked gets a context of its own (see gpu/backends.py).
+        Changing the groups of running models needs a restart: their streams live on the contexts."""
+        if not self.backend.enforced:
+            return {}
+        from gpuservd.sharing.planner import plan
+
+        every = sorted(set(names) | set(self.config.sharing.models))
+        try:
+            p = plan(self.config.sharing, self.hardware, every, engine=self.config.engine, with_quotas=False)
+        except UserError as exc:
+            log.warning("SM partitions not made: %s", exc)
+            return {}
+        made = self.backend.prepare({g.name: g.num_sms for g in p.groups})
+        log.info("SM partitions: %s", made)
+        return made
+
     def attach(self, name: str):
         """Register a model that is about to load; returns its arbiter handle (None without an arbiter)."""
         self.replan(self.names + [name])
@@ -140,6 +159,8 @@ class SharingManager:
     def sample(self) -> dict:
         """Device readings now (a thread: NVML calls can take tens of ms)."""
         self.readings = self.reader.read()
+        if self.arbiter is not None:
+            self.arbiter.observe_readings(self.readings)
         return self.readings
 
     def take_events(self) -> list[dict]:
