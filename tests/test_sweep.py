@@ -8,8 +8,8 @@ import json
 import pytest
 
 from gpuservd.bench import sweep
-from gpuservd.bench.sweep import find_plateau
-from test_cli import invoke
+from cli_invoke import invoke
+from gpuservd.bench.sweep import find_knee, find_plateau
 
 
 def curve(*values):
@@ -27,6 +27,15 @@ def test_a_curve_still_growing_has_no_plateau_in_range():
     assert find_plateau(curve(30, 60, 120, 125))["flattened"]
     with pytest.raises(ValueError):
         find_plateau([])
+
+
+def test_knee_is_the_last_batch_whose_step_stays_near_the_smallest():
+    pts = [{"batch": b, "step_ms": ms, "tokens_s": b / ms * 1000}
+           for b, ms in zip((1, 2, 4, 8, 16, 32), (24.4, 22.3, 24.6, 24.9, 38.5, 79.3))]
+    k = find_knee(pts)
+    assert k["batch"] == 8 and k["step_ms"] == 24.9 and k["vs_smallest"] == pytest.approx(24.9 / 24.4, abs=1e-3)
+    assert find_knee(pts[:1])["batch"] == 1
+    assert find_knee(pts, factor=2.0)["batch"] == 16
 
 
 @pytest.fixture
@@ -57,6 +66,7 @@ def test_sweep_on_the_tiny_model_writes_json_markdown_and_plot(swept):
     assert "| 4 |" in md and "recommended `max_num_seqs:" in md and "prefill-heavy" in md
     assert (swept / "sweep.png").stat().st_size > 1000
     assert "decode-heavy: plateau at batch" in stdout
+    assert r["knee"]["decode_heavy"]["batch"] in (1, 2, 4) and "decode-heavy knee: batch" in md
 
 
 def test_the_daemon_reads_the_latest_sweep(swept):

@@ -15,6 +15,14 @@ When the best throughput is at the largest batch and still grew by more than
 10% from the previous point, there is no plateau within the range, and the
 result says so.
 
+The knee is the largest batch whose step still takes at most `knee_factor`
+(1.25) times the batch-1 step: up to there batching is nearly free for every
+request's time per token (the step is bound by reading the weights); past it
+the step grows with the batch (bound by compute). It is the recommendation
+when latency matters more than throughput, or when the throughput curve has
+no plateau in the range (a CPU: bigger batches keep amortising per-step
+overheads while each token takes longer).
+
 The latest result per model is also kept at `$GPUSERV_HOME/sweeps/<model>.json`,
 where the daemon's `batch_past_plateau` hint reads it. torch is imported only
 inside the functions that run the engine.
@@ -70,6 +78,22 @@ def find_plateau(points: list[dict], share: float = PLATEAU_SHARE) -> dict:
     still_growing = best is last and prev is not None and last["tokens_s"] > (2 - share) * prev["tokens_s"]
     return {"batch": plateau["batch"], "tokens_s": plateau["tokens_s"], "best_batch": best["batch"],
             "best_tokens_s": best["tokens_s"], "flattened": not still_growing}
+
+
+KNEE_FACTOR = 1.25
+
+
+def find_knee(points: list[dict], factor: float = KNEE_FACTOR) -> dict:
+    """The largest batch whose step time is within `factor` of the smallest batch's (points in batch order)."""
+    base = points[0]["step_ms"]
+    knee = points[0]
+    for p in points:
+        if p["step_ms"] <= factor * base:
+            knee = p
+        else:
+            break
+    return {"batch": knee["batch"], "step_ms": knee["step_ms"], "tokens_s": knee["tokens_s"],
+            "vs_smallest": round(knee["step_ms"] / base, 3), "factor": factor}
 
 
 def _params(max_tokens: int):
@@ -160,6 +184,7 @@ def run_sweep(model: str, config_path: Path | None = None, batches=DEFAULT_BATCH
         "points": decode, "points_prefill_heavy": mixed, "plateau_batch": pd["batch"],
         "plateau": {"decode_heavy": pd, "prefill_heavy": pm},
         "recommended": {"decode_heavy": pd["batch"], "prefill_heavy": pm["batch"]},
+        "knee": {"decode_heavy": find_knee(decode), "prefill_heavy": find_knee(mixed)},
         "config": str(config_path) if config_path else None,
     }
     out_dir = Path(out_dir or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep-{model}")
@@ -187,6 +212,12 @@ def markdown(r: dict) -> str:
         lines.append(f"- {name}: plateau at batch {p['batch']} ({p['tokens_s']:.1f} tok/s, "
                      f">= {int(100 * r['plateau_share'])}% of the best {p['best_tokens_s']:.1f} at batch "
                      f"{p['best_batch']}){note}; recommended `max_num_seqs: {p['batch']}`")
+    for name, key in (("decode-heavy", "decode_heavy"), ("prefill-heavy", "prefill_heavy")):
+        k = (r.get("knee") or {}).get(key)
+        if k:
+            lines.append(f"- {name} knee: batch {k['batch']} ({k['step_ms']:.1f} ms/step, {k['vs_smallest']}x the "
+                         f"smallest batch's step): up to here batching costs no latency; `max_num_seqs: "
+                         f"{k['batch']}` when time per token matters more than throughput")
     return "\n".join(lines) + "\n"
 
 
