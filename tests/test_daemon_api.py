@@ -436,6 +436,7 @@ def test_cli_status_generate_requests_against_the_daemon(daemon):
     assert r.exit_code == 0 and json.loads(r.output)["models"][0]["name"] == "tiny"
     r = run(app, ["status"], env=env)
     assert r.exit_code == 0 and "tiny" in r.output and "serving" in r.output
+    assert "sharing: SM partitions: not enforced (no CUDA device); arbiter: 20 ms slices" in r.output
     r = run(app, ["generate", "--model", "tiny", "-n", "4", "hello"], env=env)
     assert r.exit_code == 0, r.output
     r = run(app, ["generate", "--model", "tiny", "-n", "4", "--raw", "hello"], env=env)

@@ -59,6 +59,10 @@ def test_two_models_take_turns_under_the_arbiter(two_models):
         assert st["partitions"]["summary"] == "SM partitions: not enforced (no CUDA device)"
         assert st["partitions"]["enforced"] is False and st["partitions"]["time_slice_group"] == "device"
         assert st["sharing"]["name"] == "none"
+        text = (await client.get("/metrics")).text
+        assert 'gpuserv_arbiter_run_seconds_total{model_name="tiny"}' in text
+        assert 'gpuserv_arbiter_duty{model_name="tiny2"} 1.0' in text
+        assert 'gpuserv_memory_quota_bytes{model_name="tiny"}' in text
 
     run_in_app(check, config(), load=["tiny", "tiny2"])
     slices = [e for e in events if e["type"] == "time_slice"]

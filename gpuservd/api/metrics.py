@@ -193,6 +193,7 @@ class _SnapshotCollector:
         yield from (draining, uptime, subs, dropped)
         yield from _cache_metrics(serving.cache)
         yield from _hint_gauges(serving.hints)
+        yield from _sharing_metrics(serving.sharing.status())
 
 
 def _cache_metrics(cache):
@@ -219,3 +220,34 @@ def _hint_gauges(monitor):
         active.add_metric([rule["name"]], 1 if rule["name"] in on else 0)
         fed.add_metric([rule["name"]], 1 if rule["fed"] else 0)
     yield from (active, fed)
+
+
+def _sharing_metrics(st: dict):
+    """The arbiter (G2, G4) and memory quotas (G3), per model; nothing when the arbiter is off."""
+    m = ["model_name"]
+    arb = st["arbiter"]
+    if arb.get("enabled"):
+        run = CounterMetricFamily("gpuserv_arbiter_run_seconds", "Time the model held its SM group", labels=m)
+        wait = CounterMetricFamily("gpuserv_arbiter_wait_seconds", "Time the model waited for its turn", labels=m)
+        slices = CounterMetricFamily("gpuserv_arbiter_slices", "Time slices the model held", labels=m)
+        duty = GaugeMetricFamily("gpuserv_arbiter_duty", "Bandwidth-priority duty cycle (1 = not throttled)",
+                                 labels=m)
+        usage = GaugeMetricFamily("gpuserv_arbiter_usage", "Recent share of time holding the group (~5 s average)",
+                                  labels=m)
+        for name, x in arb["models"].items():
+            run.add_metric([name], x["run_s"])
+            wait.add_metric([name], x["wait_s"])
+            slices.add_metric([name], x["num_slices"])
+            duty.add_metric([name], x["duty"])
+            usage.add_metric([name], x["usage"])
+        switch = CounterMetricFamily("gpuserv_arbiter_switch_seconds", "Time spent handing groups over")
+        switch.add_metric([], arb["switch_s"])
+        yield from (run, wait, slices, duty, usage, switch)
+    quota = GaugeMetricFamily("gpuserv_memory_quota_bytes", "The model's memory quota (G3)", labels=m)
+    used = GaugeMetricFamily("gpuserv_memory_quota_used_bytes", "Weights + KV in use + activations + overhead",
+                             labels=m)
+    for name, q in st["quotas"].items():
+        quota.add_metric([name], q["quota"])
+        if q.get("used_bytes") is not None:
+            used.add_metric([name], q["used_bytes"])
+    yield from (quota, used)

@@ -48,6 +48,8 @@ class DaemonStatus:
     num_in_flight: int  # over all models
     num_requests_total: int  # admitted since start
     num_rejected_total: int  # refused with 4xx/5xx since start
+    sharing: dict | None = None  # the SM-partition backend: {"name", "enforced", "summary", ...}
+    arbiter: dict | None = None  # time slices and bandwidth priority (sharing/arbiter.py status())
 
     @classmethod
     def from_dict(cls, data: dict) -> "DaemonStatus":

@@ -80,17 +80,31 @@ def status(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
                   markup=False)
     console.print(f"device: {dev.get('backend')} {dev.get('name', '')}; socket: {st.socket}"
                   + (f"; tcp: {st.tcp}" if st.tcp else ""), markup=False)
+    if st.sharing:
+        console.print(f"sharing: {st.sharing.get('summary')}; {_arbiter_line(st.arbiter)}", markup=False)
     table = Table(box=None, padding=(0, 1), header_style="bold")
-    for col in ("model", "state", "pin", "kv free", "kv total", "run", "wait", "flight", "ctx", "steps"):
-        table.add_column(col, justify="left" if col in ("model", "state") else "right", no_wrap=True)
+    for col in ("model", "state", "class", "pin", "kv free", "kv total", "run", "wait", "flight", "ctx", "steps"):
+        table.add_column(col, justify="left" if col in ("model", "state", "class") else "right", no_wrap=True)
     for m in st.models:
-        table.add_row(m.name, m.state, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
+        cls = {"latency_critical": "latency", "best_effort": "best-effort"}.get(m.sharing_class, m.sharing_class)
+        table.add_row(m.name, m.state, cls, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
                       str(m.num_running), str(m.num_waiting),
                       str(m.num_in_flight), str(m.max_model_len), str(m.num_steps))
     console.print(table)
     for m in st.models:
         if m.error:
             console.print(f"{m.name}: {m.error}", markup=False)
+
+
+def _arbiter_line(arb: dict | None) -> str:
+    if not arb:
+        return "arbiter not reported"
+    if not arb.get("enabled"):
+        return "arbiter off (naive co-location)"
+    throttled = [f"{n} at {100 * x['duty']:.0f}%" for n, x in sorted(arb["models"].items()) if x["duty"] < 1]
+    return (f"arbiter: {arb['quantum_ms']:g} ms slices, {arb['num_switches']} switches "
+            f"({100 * arb['overhead_share']:.2f}% of the time)"
+            + (f", throttled: {', '.join(throttled)}" if throttled else ""))
 
 
 def _duration(s: float) -> str:
