@@ -81,13 +81,14 @@ def status(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     console.print(f"device: {dev.get('backend')} {dev.get('name', '')}; socket: {st.socket}"
                   + (f"; tcp: {st.tcp}" if st.tcp else ""), markup=False)
     if st.sharing:
-        console.print(f"sharing: {st.sharing.get('summary')}; {_arbiter_line(st.arbiter)}", markup=False)
+        lc = [m.name for m in st.models if m.sharing_class == "latency_critical"]
+        console.print(f"sharing: {st.sharing.get('summary')}; {_arbiter_line(st.arbiter)}"
+                      + (f"; latency-critical: {', '.join(lc)}" if lc else ""), markup=False)
     table = Table(box=None, padding=(0, 1), header_style="bold")
-    for col in ("model", "state", "class", "pin", "kv free", "kv total", "run", "wait", "flight", "ctx", "steps"):
-        table.add_column(col, justify="left" if col in ("model", "state", "class") else "right", no_wrap=True)
+    for col in ("model", "state", "pin", "kv free", "kv total", "run", "wait", "flight", "ctx", "steps"):
+        table.add_column(col, justify="left" if col in ("model", "state") else "right", no_wrap=True)
     for m in st.models:
-        cls = {"latency_critical": "latency", "best_effort": "best-effort"}.get(m.sharing_class, m.sharing_class)
-        table.add_row(m.name, m.state, cls, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
+        table.add_row(m.name, m.state, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
                       str(m.num_running), str(m.num_waiting),
                       str(m.num_in_flight), str(m.max_model_len), str(m.num_steps))
     console.print(table)
