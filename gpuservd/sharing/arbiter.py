@@ -56,8 +56,8 @@ USAGE_TAU_S = 5.0  # time constant of the usage average that decides "within its
 SHARE_TOLERANCE = 0.02  # a latency-critical model up to this much over its share still goes first
 TARGET_FACTOR = 1.5  # default step target = this x the model's median step time when alone
 SOLO_WINDOW = 64  # steps kept to learn that median
-MAX_THROTTLE_SLEEP_S = 0.5
-VTIME_BOUND_QUANTA = 2  # a model joining the queue is at most this many quanta ahead of or behind the others  # a throttled best-effort model never pauses longer than this at once
+MAX_THROTTLE_SLEEP_S = 0.5  # a throttled best-effort model never pauses longer than this at once
+VTIME_BOUND_QUANTA = 2  # a model joining the queue is at most this many quanta ahead of or behind the others
 
 
 @dataclass
@@ -89,8 +89,8 @@ class ModelShare:
     last_step_end: float = 0.0
     last_step_s: float = 0.0
     solo_steps: deque = field(default_factory=lambda: deque(maxlen=SOLO_WINDOW))
-    interval_steps: list = field(default_factory=list)  # step latencies since the controller last looked
-    recent_latency: deque = field(default_factory=lambda: deque(maxlen=256))
+    interval_steps: list = field(default_factory=list)  # decode steps' running times since the controller looked
+    recent_latency: deque = field(default_factory=lambda: deque(maxlen=256))  # decode steps' latency, waits included
 
     @property
     def latency_critical(self) -> bool:
@@ -440,7 +440,7 @@ class Arbiter:
                     "usage": round(self._usage(m, now), 4), "duty": round(m.duty, 4),
                     "num_slices": m.num_slices, "num_cut_short": m.num_cut_short, "run_s": round(m.run_s, 4),
                     "wait_s": round(m.wait_s, 4), "num_steps": m.num_steps,
-                    "throttle_wait_s": round(m.throttle_wait_s, 4),
+                    "num_throttle_waits": m.num_throttle_waits, "throttle_wait_s": round(m.throttle_wait_s, 4),
                     "decode_step_ms_p50": round(1000 * lat[len(lat) // 2], 3) if lat else None,
                     "decode_step_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
                     "step_target_ms": round(1000 * target, 3) if target else None,
