@@ -83,6 +83,8 @@ class EngineConfig:
 
     model: str = "smollm2"  # name in the model store
     device: str = "cpu"  # "cpu" or "cuda:N"
+    devices: list = field(default_factory=list)  # the daemon's devices (cache-aware routing, M8):
+    # [cuda:0, cuda:1] or CPU device slots [cpu:0, cpu:1]; empty = [device]. Each is its own device tier.
     dtype: str = "float32"  # float32 | bfloat16 | float16
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     block_size: int = 16  # tokens per KV block
@@ -94,11 +96,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
+    def device_names(self) -> list[str]:
+        """The daemon's devices: engine.devices, else [engine.device] (one device, as before M8)."""
+        return check_devices(self.devices) if self.devices else [self.device]
+
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise UserError(f"engine.device must be cpu or cuda:N, got {self.device!r}")
+        self.device_names()
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise UserError(f"engine.block_size must be a power of two, got {self.block_size}")
         if not (0.0 < self.kv_cache_fraction <= 1.0):
@@ -134,6 +141,43 @@ class EngineConfig:
         if p.outrank_ratio < 1.0 or p.auto_ratio <= 1.0 or p.auto_window < 2 or p.auto_min_samples < 2:
             raise UserError("preemption: outrank_ratio must be >= 1, auto_ratio > 1, auto_window and "
                             "auto_min_samples >= 2")
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
+
+
+def torch_device(name: str) -> str:
+    """The torch device a device slot computes on: a CPU slot (cpu:N) runs on "cpu"."""
+    return "cpu" if name.startswith("cpu") else name
+
+
+def check_devices(devices, visible_cuda=None) -> list[str]:
+    """engine.devices validated: known strings, no duplicates, not a mix of cpu and cuda, cuda:N
+    within the visible devices (visible_cuda: their count; None = ask torch). Returns the names."""
+    if not isinstance(devices, list) or any(not isinstance(d, str) for d in devices):
+        raise UserError(f"engine.devices must be a list like [cuda:0, cuda:1] or [cpu:0, cpu:1], got {devices!r}")
+    seen: dict[tuple[str, int], str] = {}
+    for d in devices:
+        m = _DEVICE.fullmatch(d.strip())
+        if not m:
+            raise UserError(f"engine.devices: unknown device {d!r}; use cpu:N (a CPU device slot) or cuda:N")
+        key = (m.group(1), int(m.group(2) or 0))
+        if key in seen:
+            raise UserError(f"engine.devices lists {seen[key]!r} twice" if seen[key] == d else
+                            f"engine.devices: {seen[key]!r} and {d!r} are the same device")
+        seen[key] = d
+    kinds = {k for k, _ in seen}
+    if len(kinds) > 1:
+        raise UserError(f"engine.devices mixes cpu and cuda devices ({', '.join(devices)}); use one kind")
+    cuda = sorted(i for k, i in seen if k == "cuda")
+    if cuda:
+        if visible_cuda is None:
+            import torch
+
+            visible_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if cuda[-1] >= visible_cuda:
+            raise UserError(f"engine.devices: cuda:{cuda[-1]} is not there ({visible_cuda} CUDA devices visible)")
+    return [d.strip() for d in devices]
 
 
 def _fill(obj, data: dict, where: str, path: str):
