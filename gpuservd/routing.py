@@ -1,4 +1,19 @@
-"""Model versions and canary routing (O4): a model name can stand for several versions.
+"""Routing: which version serves a request (O4), and which device a model loads on (M8).
+
+Devices (cache-aware routing, M8). With several devices (`engine.devices`:
+cuda:0..N, or CPU device slots cpu:0..N) a model is resident on at most one
+of them (replicas are a later step). A request for a model resident on D goes
+to D: a hit, nothing moves. Otherwise the load goes to the least-bad device,
+`choose_device` below: a device that needs no eviction beats one that does;
+among those, fewer bytes to evict, then fewer models evicted (pinned and busy
+models are never candidates: a device that could only make room by evicting
+them cannot take the model now), then the device's current load (requests in
+flight and queued on its models, plus loads under way), then its index in
+engine.devices. A pure function over `DeviceOption`s, so each rule is unit
+tested (tests/test_routing.py); Serving builds the options from the weight
+cache's per-device plans.
+
+Versions. A model name can stand for several versions.
 
 `server.versions: {alias: {version: weight}}` (or POST /admin/models/ALIAS/versions
 at run time) splits an alias's traffic by weight, for example 90/10 between the
@@ -12,6 +27,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import dataclass, field
 
 from gpuservd.errors import UserError
 
@@ -71,3 +87,31 @@ class VersionRouter:
         with self._lock:
             return {alias: {"weights": dict(w), "served": dict(self.served.get(alias, {}))}
                     for alias, w in self.table.items()}
+
+
+@dataclass
+class DeviceOption:
+    """One device as a place to load a model: feasible (it can make room now), whom it would evict,
+    the bytes they free, and the device's current load."""
+
+    device: str
+    index: int  # its position in engine.devices (the last tie-break)
+    feasible: bool = True
+    evict: list[str] = field(default_factory=list)
+    evict_bytes: int = 0
+    load: int = 0  # requests in flight and queued on its models, plus loads under way
+    reason: str = ""  # why it is not feasible
+
+    def cost(self) -> tuple:
+        return (bool(self.evict), self.evict_bytes, len(self.evict), self.load, self.index)
+
+
+def choose_device(options: list[DeviceOption], resident: str | None = None) -> DeviceOption | None:
+    """The device a model goes to: the one that holds it (resident), else the least-bad feasible
+    option by (needs eviction, bytes evicted, models evicted, load, index); None when none can take it."""
+    if resident is not None:
+        for o in options:
+            if o.device == resident:
+                return o
+    feasible = [o for o in options if o.feasible]
+    return min(feasible, key=DeviceOption.cost) if feasible else None

@@ -18,6 +18,17 @@ variants still use its weights stays on the device as a held entry
 (`engine=False`, counted in bytes, not in cache_size) and goes with its last
 variant; `plan_device_load` frees a base's bytes only when it and every variant
 over it leave.
+
+Several devices (M8, `engine.devices`): one host tier, shared, and one device
+tier per device, each with the same budget (`device_bytes` / cache_size). A
+model is resident on at most one device at a time (`placement`; replicas are a
+later step); `self.device` still maps every resident model to its entry, so
+single-device callers see what they saw before. A variant runs where its base's
+weights are. `plan_device_load(..., device=D)` plans D's tier alone;
+`plan_options` plans every device at once for the router
+(gpuservd/routing.py `choose_device`). A load in progress reserves its bytes on
+its device (`reserve`) so two cold requests arriving together do not both pick
+the same empty device.
 """
 
 from __future__ import annotations
@@ -48,11 +59,23 @@ class CacheFull(UserError):
     """No model can leave the device now (all pinned, busy or kept alive)."""
 
 
+@dataclass
+class DevicePlan:
+    """What loading a model onto one device would take: whom to evict and how many bytes they free."""
+
+    device: str
+    evict: list[str]
+    evict_bytes: int
+
+
 class WeightCache:
-    def __init__(self, config: CacheConfig, device_budget: int):
+    def __init__(self, config: CacheConfig, device_budget: int, devices: list[str] | None = None):
         self.config = config
-        self.device_budget = config.device_bytes or device_budget
+        self.device_budget = config.device_bytes or device_budget  # per device
+        self.devices = list(devices or ["device"])
         self.device: dict[str, DeviceEntry] = {}
+        self.placement: dict[str, str] = {}  # resident model -> the device that holds it
+        self.reserved: dict[str, tuple[str, int]] = {}  # model loading -> (its device, bytes it will take)
         self.host: OrderedDict[str, HostCopy] = OrderedDict()  # least recently used first
         self.hits = {t: 0 for t in TIERS}
         self.misses = {t: 0 for t in TIERS}
@@ -89,18 +112,42 @@ class WeightCache:
         return self.hits[tier] / n if n else None
 
     # -- the device tier (M7) ---------------------------------------------
-    def plan_device_load(self, model: str, nbytes: int, busy: set[str], now: float | None = None) -> list[str]:
-        """Models to evict (least recently used first) so `model` (nbytes) fits; raises UserError
-        when it can never fit and CacheFull when everything in the way is pinned, busy or kept alive."""
+    def device_of(self, model: str) -> str | None:
+        """The device that holds model's weights (its engine's, or held for its variants), or None."""
+        with self._lock:
+            return self.placement.get(model) if model in self.device else None
+
+    def plan_device_load(self, model: str, nbytes: int, busy: set[str], now: float | None = None,
+                         device: str | None = None) -> list[str]:
+        """Models to evict (least recently used first) so `model` (nbytes) fits `device` (default:
+        the first); raises UserError when it can never fit and CacheFull when everything in the way
+        is pinned, busy or kept alive."""
+        return self._plan(model, nbytes, busy, now, device or self.devices[0]).evict
+
+    def plan_options(self, model: str, nbytes: int, busy: set[str], now: float | None = None) -> dict:
+        """Per device: its DevicePlan, or the CacheFull that says why it cannot take `model` now
+        (a model larger than the tier raises UserError: no device can ever take it)."""
+        out: dict[str, DevicePlan | CacheFull] = {}
+        for d in self.devices:
+            try:
+                out[d] = self._plan(model, nbytes, busy, now, d)
+            except CacheFull as exc:
+                out[d] = exc
+        return out
+
+    def _plan(self, model: str, nbytes: int, busy: set[str], now: float | None, device: str) -> DevicePlan:
         now = time.monotonic() if now is None else now
         if nbytes > self.device_budget:
             raise UserError(f"model {model} needs {nbytes / 1e6:.1f} MB of weights but the device tier holds "
                             f"{self.device_budget / 1e6:.1f} MB; raise cache.device_bytes (or "
                             "engine.device_memory_bytes) or use a smaller dtype")
         with self._lock:
-            others = {m: e for m, e in self.device.items() if m != model}
-            used = sum(e.nbytes for e in others.values())
-            count = sum(e.engine for e in others.values())
+            others = {m: e for m, e in self.device.items()
+                      if m != model and self.placement.get(m, self.devices[0]) == device}
+            pending = [b for m, (d, b) in self.reserved.items() if m != model and d == device and m not in others]
+            used = sum(e.nbytes for e in others.values()) + sum(pending)
+            count = sum(e.engine for e in others.values()) + len(pending)
+            used0 = used
             evict: list[str] = []
 
             def recency(item):  # a base is as recent as its most recent variant
@@ -121,26 +168,37 @@ class WeightCache:
                     used -= be.nbytes  # the last user of a base that no engine serves any more
             if count + 1 > self.config.cache_size or used + nbytes > self.device_budget:
                 held = ", ".join(sorted(others)) or "nothing"
-                raise CacheFull(f"no room on the device for model {model}: {held} are pinned, busy or kept "
+                where = f"device {device}" if len(self.devices) > 1 else "the device"
+                raise CacheFull(f"no room on {where} for model {model}: {held} are pinned, busy or kept "
                                 f"alive (cache_size {self.config.cache_size}, {self.device_budget / 1e6:.0f} MB)")
-            return evict
+            return DevicePlan(device, evict, used0 - used)
 
-    def device_loaded(self, model: str, nbytes: int, pinned: bool = False, base: str | None = None) -> None:
-        """`model`'s engine serves; nbytes are its own (a variant's delta, whose base is held)."""
+    def reserve(self, model: str, device: str, nbytes: int) -> None:
+        """model's load onto device has begun: its bytes count there until it is loaded or fails."""
         with self._lock:
+            self.reserved[model] = (device, nbytes)
+
+    def device_loaded(self, model: str, nbytes: int, pinned: bool = False, base: str | None = None,
+                      device: str | None = None) -> None:
+        """`model`'s engine serves on `device` (default: the first); nbytes are its own (a variant's
+        delta, whose base is held there)."""
+        with self._lock:
+            self.reserved.pop(model, None)
+            self.placement[model] = device or self.placement.get(model) or self.devices[0]
             old = self.device.get(model)
             holders = old.holders if old is not None else set()
             self.device[model] = DeviceEntry(nbytes, pinned, time.monotonic(), base, True, holders)
             if base is not None and base in self.device:
                 self.device[base].holders.add(model)
 
-    def hold_base(self, base: str, nbytes: int, holder: str) -> None:
-        """A variant (holder) uses base's weights: the base is on the device, with or without its
-        own engine, until its last holder leaves."""
+    def hold_base(self, base: str, nbytes: int, holder: str, device: str | None = None) -> None:
+        """A variant (holder) uses base's weights: the base is on the device (the holder's), with or
+        without its own engine, until its last holder leaves."""
         with self._lock:
             entry = self.device.get(base)
             if entry is None:
                 entry = self.device[base] = DeviceEntry(nbytes, False, time.monotonic(), engine=False)
+                self.placement[base] = device or self.reserved.get(holder, (self.devices[0],))[0]
             entry.holders.add(holder)
 
     def claim(self, model: str) -> None:
@@ -155,18 +213,21 @@ class WeightCache:
         """model's engine left (or its load failed): its weights go unless variants still use them,
         and a base it held goes too when no engine and no other variant uses it."""
         with self._lock:
+            self.reserved.pop(model, None)
             entry = self.device.get(model)
             if entry is not None and entry.holders:
                 entry.engine = False
                 entry.pinned = False
             else:
                 self.device.pop(model, None)
+                self.placement.pop(model, None)
                 self.weights.pop(model, None)
             for name, e in list(self.device.items()):
                 if model in e.holders:
                     e.holders.discard(model)
                     if not e.holders and not e.engine:
                         self.device.pop(name)
+                        self.placement.pop(name, None)
                         self.weights.pop(name, None)
 
     def shared_weights(self, model: str, build):
@@ -219,7 +280,15 @@ class WeightCache:
             dev = self.device.get(model)
             host = self.host.get(model)
             return {"device": dev.nbytes if dev else 0, "host": host.nbytes if host else 0,
-                    "host_compression": host.compression if host else None}
+                    "host_compression": host.compression if host else None,
+                    "device_name": self.placement.get(model) if dev else None}
+
+    def _device_status(self, device: str) -> dict:
+        """One device's tier (the lock held)."""
+        on = {m: e for m, e in self.device.items() if self.placement.get(m, self.devices[0]) == device}
+        return {"budget_bytes": self.device_budget, "used_bytes": sum(e.nbytes for e in on.values()),
+                "reserved_bytes": sum(b for d, b in self.reserved.values() if d == device),
+                "models": sorted(on), "cache_size": self.config.cache_size}
 
     def status(self) -> dict:
         with self._lock:
@@ -232,6 +301,7 @@ class WeightCache:
                 "host": {"budget_bytes": self.config.host_bytes,
                          "used_bytes": sum(c.nbytes for c in self.host.values()), "models": list(self.host),
                          "compression": self.config.compression},
+                "devices": {d: self._device_status(d) for d in self.devices},
                 "hits": dict(self.hits), "misses": dict(self.misses),
                 "hit_rate": {t: self.hit_rate(t) for t in TIERS},
                 "bytes_loaded": dict(self.bytes_loaded),
