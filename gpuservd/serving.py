@@ -5,6 +5,14 @@ Admission (MISSION S8, O4) is decided here before a request reaches an engine:
 draining -> 503, unknown model -> 404, a full per-model or per-tenant queue ->
 429 with Retry-After. A request counts as *queued* from admission until its
 first token, and as *in flight* until its last.
+
+Devices (M8): `engine.devices` lists the daemon's devices (empty = the one
+`engine.device`). Every slot carries the device it runs on; a request for a
+model resident on a device goes there (a hit), and a load goes to the device
+`routing.choose_device` picks from the weight cache's per-device plans (no
+eviction first, then fewer bytes and models to evict, then the lighter load,
+then the lower index). A model runs on one device at a time; a variant runs
+where its base's weights are.
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ class Serving:
         self.tcp: str | None = None
         from gpuservd.weights.cache import WeightCache
 
-        self.cache = WeightCache(config.cache, config.engine.device_memory_bytes)
+        self.devices = config.engine.device_names()  # M8: [engine.device] unless engine.devices lists several
+        self.cache = WeightCache(config.cache, config.engine.device_memory_bytes, self.devices)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
         from gpuservd.weights.prefetch import PrefetchStats, Predictor
@@ -228,7 +237,7 @@ class Serving:
                 continue
             busy = {n for n, s in self.slots.items() if s.num_in_flight or s.state != "ready"} | {name}
             try:
-                evict = self.cache.plan_device_load(nxt, self._weight_bytes(nxt), busy)
+                evict = self._route(nxt, self._weight_bytes(nxt), busy | self._base_set(nxt)).evict
             except Exception:  # no room, or an unreadable model: no prefetch
                 continue
             if any(self.predictor.value(e) >= p for e in evict):
@@ -355,7 +364,10 @@ class Serving:
         try:
             base, config_dir = self._variant_dirs(name, model_dir)  # a variant (M6) runs on its base's config
             self.cache.claim(name)  # weights held for its variants stay while its engine is built
-            await self._make_room(name, model_dir, cfg)
+            slot.device = await self._make_room(name, model_dir, cfg)  # M8: the device it goes to
+            from gpuservd.config import torch_device
+
+            cfg.device = torch_device(slot.device)
         except Exception as exc:
             self._load_failed(slot, exc)
             raise
@@ -368,17 +380,21 @@ class Serving:
         def on_layer(i: int, seconds: float) -> None:  # the engine thread, as each layer lands
             slot.layers_ready = i + 1
             aloop.call_soon_threadsafe(self.bus.publish, {
-                "type": "model_load", "t": time.time(), "model": name, "phase": "layer", "layer": i,
-                "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
+                "type": "model_load", "t": time.time(), "model": name, "device": slot.device, "phase": "layer",
+                "layer": i, "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
 
         sources = []
         try:
-            handle = self.sharing.attach(name)  # a plan without it is redone with it; its arbiter registration
+            handle = self.sharing.attach(name, slot.device)  # the plan is redone with it; its arbiter registration
         except Exception as exc:
             self._load_failed(slot, exc)
             raise
 
         def build():
+            if cfg.device.startswith("cuda"):  # this thread's current device: streams and kernels go there
+                import torch
+
+                torch.cuda.set_device(torch.device(cfg.device))
             self.sharing.bind(name)  # its SM partition, on this (the engine) thread, before any allocation
             source, tier = self._weight_source(name, model_dir)
             sources.append(source)
@@ -410,7 +426,7 @@ class Serving:
         slot.state = "ready"
         slot.loaded.set()
         slot.weights_bytes = engine.runner.weights.nbytes()  # a variant's: its delta alone
-        self.cache.device_loaded(name, slot.weights_bytes, pinned, base=base)
+        self.cache.device_loaded(name, slot.weights_bytes, pinned, base=base, device=slot.device)
         self._load_failed_at.pop(name, None)
         took = time.monotonic() - t0
         delta_read = getattr(sources[0], "bytes_read", 0) if base else 0
@@ -418,9 +434,10 @@ class Serving:
             self.cache.bytes_loaded["delta"] = self.cache.bytes_loaded.get("delta", 0) + delta_read
             log.info("model %s is %s plus a %s delta: %d bytes read for the delta", name, base,
                      sources[0].spec.kind, delta_read)
-        log.info("model %s ready in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)", name, took,
-                 slot.source_tier, engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
-        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "ready", "load_s": took,
+        log.info("model %s ready on %s in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)", name,
+                 slot.device, took, slot.source_tier, engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
+        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "device": slot.device,
+                          "phase": "ready", "load_s": took,
                           "tier": slot.source_tier, "num_layers": slot.num_layers,
                           **({"base": base, "delta_bytes_read": delta_read} if base else {})})
         if cc.host_bytes and not base and self.cache.residency(name)["host"] == 0:
@@ -437,23 +454,64 @@ class Serving:
         self.cache.device_evicted(slot.name)
         log.error("model %s failed to load: %s", slot.name, slot.error, exc_info=not isinstance(exc, UserError))
         self.bus.publish({"type": "model_load", "t": time.time(), "model": slot.name, "phase": "failed",
-                          "error": slot.error})
+                          "device": slot.device or None, "error": slot.error})
 
-    async def _make_room(self, name: str, model_dir, cfg) -> None:
-        """Evict least recently used idle models until `name` fits the device tier (M7)."""
+    async def _make_room(self, name: str, model_dir, cfg) -> str:
+        """Pick the device for `name` (M8) and evict least recently used idle models there until it
+        fits that device's tier (M7); returns the device."""
         need = await asyncio.to_thread(self._weight_bytes, name)
         busy = {n for n, s in self.slots.items() if n != name and (s.num_in_flight or s.state != "ready")}
-        base = self._base_of(name)
-        if base is not None:
-            busy.add(base)  # the variant runs on its base's weights
-        for victim in self.cache.plan_device_load(name, need, busy):
+        busy |= self._base_set(name)  # a variant runs on its base's weights
+        plan = self._route(name, need, busy)
+        self.cache.reserve(name, plan.device, need)  # a concurrent load sees these bytes taken
+        if len(self.devices) > 1:
+            log.info("model %s goes to %s (%s)", name, plan.device,
+                     f"evicting {', '.join(plan.evict)}" if plan.evict else "no eviction")
+        for victim in plan.evict:
             log.info("evicting model %s from the device to make room for %s", victim, name)
             if victim in self.prefetch_stats.pending:
                 self.prefetch_stats.pending.discard(victim)
                 self.prefetch_stats.wasted += 1
             self.bus.publish({"type": "model_evict", "t": time.time(), "model": victim, "for": name,
+                              "device": plan.device,
                               "to_tier": "host" if self.cache.residency(victim)["host"] else "disk"})
             await self.unload(victim, timeout=0)
+        return plan.device
+
+    def _base_set(self, name: str) -> set[str]:
+        base = self._base_of(name)
+        return {base} if base is not None else set()
+
+    def _device_load(self) -> dict[str, int]:
+        """Per device: requests in flight and queued on its models, plus loads under way there."""
+        load = {d: 0 for d in self.devices}
+        for s in self.slots.values():
+            if s.device in load:
+                load[s.device] += s.num_in_flight + (s.state == "loading")
+        return load
+
+    def _route(self, name: str, need: int, busy: set[str]):
+        """The device `name` loads on and whom it evicts there (a DevicePlan): the device that already
+        holds its weights (or its base's), else routing.choose_device over every device's plan.
+        UserError when it can never fit; CacheFull when no device can make room now."""
+        from gpuservd.routing import DeviceOption, choose_device
+        from gpuservd.weights.cache import CacheFull
+
+        plans = self.cache.plan_options(name, need, busy)
+        base = self._base_of(name)
+        resident = self.cache.device_of(name) or (self.cache.device_of(base) if base else None)
+        load = self._device_load()
+        options = [DeviceOption(d, i, not isinstance(p, CacheFull), [] if isinstance(p, CacheFull) else p.evict,
+                                0 if isinstance(p, CacheFull) else p.evict_bytes, load.get(d, 0),
+                                str(p) if isinstance(p, CacheFull) else "")
+                   for i, (d, p) in enumerate(plans.items())]
+        choice = choose_device(options, resident)
+        if choice is None or not choice.feasible:
+            full = [p for p in plans.values() if isinstance(p, CacheFull)]
+            if resident is not None or len(full) == 1:
+                raise plans[resident] if resident is not None else full[0]
+            raise CacheFull("; ".join(str(p) for p in full))
+        return plans[choice.device]
 
     def _weight_bytes(self, name: str) -> int:
         """Weight bytes a model will add to the device (from its files' headers; nothing is read):
@@ -589,7 +647,8 @@ class Serving:
         self.slots.pop(name, None)
         self.sharing.detach(name)
         self.cache.device_evicted(name)
-        self.bus.publish({"type": "model_unload", "t": time.time(), "model": name, "num_aborted": aborted})
+        self.bus.publish({"type": "model_unload", "t": time.time(), "model": name, "device": slot.device or None,
+                          "num_aborted": aborted})
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
         return {"model": name, "num_finished": finished, "num_aborted": aborted}
 
@@ -665,7 +724,7 @@ class Serving:
     def model_status(self, slot: ModelSlot) -> ModelStatus:
         snap = slot.loop.snapshot if slot.loop is not None else None
         return ModelStatus(
-            name=slot.name, state=slot.state, pinned=slot.pinned, device=slot.config.device,
+            name=slot.name, state=slot.state, pinned=slot.pinned, device=slot.device or slot.config.device,
             kv_blocks_total=snap.kv_blocks_total if snap else 0,
             kv_blocks_free=(snap.kv_blocks_total - snap.kv_blocks_used) if snap else 0,
             kv_block_size=slot.config.block_size, num_running=snap.num_running if snap else 0,
@@ -688,6 +747,9 @@ class Serving:
         data["partitions"], data["quotas"], data["arbiter"] = sharing["partitions"], sharing["quotas"], sharing["arbiter"]
         data["versions"] = self.router.status()
         data["weight_cache"] = self.cache.status()
+        load = self._device_load()  # M8: per device its tier (budget, bytes, models) and its load
+        tiers = data["weight_cache"].pop("devices")
+        data["devices"] = {d: {**tier, "load": load.get(d, 0)} for d, tier in tiers.items()}
         data["weight_cache"]["prefetch"] = {"enabled": self.config.cache.prefetch, **self.prefetch_stats.to_dict()}
         data["tenants"] = {name: {"queued": self.tenant_queued.get(name, 0),
                                   "in_flight": self.tenant_in_flight.get(name, 0)} for name in self.tenants.names()}

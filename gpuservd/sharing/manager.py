@@ -15,6 +15,14 @@ One SharingManager per daemon holds what the other pieces compute:
 Groups: with an enforcing backend each SM group is a partition of its own and
 the models in it take turns; without one nothing keeps partitions apart, so
 every model is in one group, `device`, and the whole device is time-sliced.
+
+Several devices (M8, `engine.devices`): groups are per device, so models on
+different devices never take turns with each other: the time-sliced group is
+the device's name (`cpu:1`, `cuda:0`) and an enforcing backend's SM group `g`
+becomes `cuda:0/g`. With one device the names stay `device` and `g`. Not yet
+per device: the plan (quotas are per model, but the memory check sums every
+model against one device's memory), the SM partitions (made on engine.device)
+and the bandwidth throttle (one arbiter sees every device's models).
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class SharingManager:
         self.kv_caps: dict[str, int | None] = {}  # model -> KV blocks its quota allows (None = the whole pool)
         self.reader = reader if reader is not None else DeviceReader(dev)
         self.readings: dict | None = None
+        self.multi_device = len(config.engine.device_names()) > 1
+        self.device_of: dict[str, str] = {}  # model -> its device (M8)
 
     def _hardware(self):
         from gpuservd.sharing.hardware import hardware_from_device, load_hardware
@@ -56,8 +66,13 @@ class SharingManager:
         return hardware_from_device(self.device, profiles)  # None on a CPU
 
     # ---- models coming and going ------------------------------------------------------------------
-    def group_of(self, name: str) -> str:
-        return self.config.sharing.group_of(name) if self.backend.enforced else SHARED_GROUP
+    def group_of(self, name: str, device: str | None = None) -> str:
+        """The arbiter group: per device with several devices, so models on two devices never take turns."""
+        group = self.config.sharing.group_of(name) if self.backend.enforced else SHARED_GROUP
+        device = device or self.device_of.get(name)
+        if not self.multi_device or not device:
+            return group
+        return f"{device}/{group}" if self.backend.enforced else device
 
     def replan(self, names: list[str]) -> None:
         """The plan for the models now loaded (or loading); shares go to the arbiter at once."""
@@ -94,8 +109,11 @@ class SharingManager:
         log.info("SM partitions: %s", made)
         return made
 
-    def attach(self, name: str):
-        """Register a model that is about to load; returns its arbiter handle (None without an arbiter)."""
+    def attach(self, name: str, device: str | None = None):
+        """Register a model that is about to load (on `device`); returns its arbiter handle (None without
+        an arbiter)."""
+        if device:
+            self.device_of[name] = device
         self.replan(self.names + [name])
         if self.arbiter is None:
             return None
@@ -125,6 +143,7 @@ class SharingManager:
             log.info("model %s: memory quota allows %d of its %d KV blocks", name, cap, engine.pool.num_blocks)
 
     def detach(self, name: str) -> None:
+        self.device_of.pop(name, None)
         self.engines.pop(name, None)
         self.kv_caps.pop(name, None)
         if self.arbiter is not None:
@@ -173,7 +192,8 @@ class SharingManager:
         partitions = {"backend": self.backend.name, "enforced": bool(self.backend.enforced),
                       "summary": summary.get("summary"), "hardware": p["hardware"] if p else None,
                       "groups": p["groups"] if p else [], "spare_sms": p["spare_sms"] if p else None,
-                      "time_slice_group": None if self.backend.enforced else SHARED_GROUP,
+                      "time_slice_group": None if self.backend.enforced else
+                      (", ".join(sorted(set(self.device_of.values()))) if self.multi_device else SHARED_GROUP),
                       "warnings": p["warnings"] if p else [], "error": self.plan_error}
         quotas = {}
         for name, q in ((p or {}).get("quotas") or {}).items():
@@ -195,7 +215,7 @@ class SharingManager:
         group = None
         if self.plan is not None and self.plan.group_of(name) is not None:
             g = self.plan.group_of(name)
-            group = {"name": g.name if self.backend.enforced else SHARED_GROUP, "num_sms": g.num_sms}
+            group = {"name": self.group_of(name), "num_sms": g.num_sms}
         return {"sharing_class": spec.sharing_class.value, "sharing_group": group["name"] if group else
                 self.group_of(name), "num_sms": group["num_sms"] if group and self.backend.enforced else None}
 
