@@ -94,7 +94,8 @@ def check_nvml(nvml) -> Check:
 
 
 def check_green_contexts(torch) -> Check:
-    """SM partitions inside one process (torch.cuda.green_contexts, compute capability 9.0+)."""
+    """SM partitions inside one process (torch.cuda.green_contexts; the CUDA driver documents SM splits for
+    compute capability 7.0 and newer, with 8-SM granules from 9.0: see sharing/hardware.py)."""
     if not torch.cuda.is_available():
         return Check("green_contexts", "skip", "no CUDA device: SM partitions are not enforced", {})
     has_api = hasattr(getattr(torch.cuda, "green_contexts", None), "GreenContext")
@@ -102,11 +103,31 @@ def check_green_contexts(torch) -> Check:
     if not has_api:
         return Check("green_contexts", "info", f"torch {torch.__version__} has no torch.cuda.green_contexts; "
                      "SM partitions fall back to MPS", {"capability": f"{major}.{minor}"})
-    if major < 9:
-        return Check("green_contexts", "info", f"compute capability {major}.{minor}: green contexts need 9.0+; "
+    if major < 7:
+        return Check("green_contexts", "info", f"compute capability {major}.{minor}: green contexts need 7.0+; "
                      "SM partitions fall back to MPS", {"capability": f"{major}.{minor}"})
     return Check("green_contexts", "ok", f"green contexts available (compute capability {major}.{minor})",
                  {"capability": f"{major}.{minor}"})
+
+
+def check_sharing(sharing, device: str, choose=None) -> Check:
+    """What the daemon will enforce between models with this config (the backend it will pick, G1)."""
+    from gpuservd.errors import UserError
+
+    if choose is None:
+        from gpuservd.gpu.backends import choose_backend as choose
+    try:
+        backend = choose(sharing.backend, device)
+    except UserError as exc:  # asked for a backend this box does not have: the daemon will not start
+        return Check("sharing", "critical", str(exc), {"backend": sharing.backend.value, "device": device})
+    st = backend.status()
+    detail = {"backend": st.get("name"), "enforced": bool(st.get("enforced")), "device": device,
+              "arbiter": bool(sharing.enabled), "quantum_ms": sharing.quantum_ms}
+    arbiter = (f"; time slices of {sharing.quantum_ms:g} ms between models" if sharing.enabled
+               else "; sharing.enabled is false: models step whenever they like (naive co-location)")
+    if not device.startswith("cuda"):
+        return Check("sharing", "skip", st["summary"] + arbiter, detail)
+    return Check("sharing", "ok" if st.get("enforced") else "warn", st["summary"] + arbiter, detail)
 
 
 def check_mps(gpu: bool, proc: Path = Path("/proc"), env=os.environ) -> Check:
@@ -225,9 +246,17 @@ def run_checks(socket_path: Path | None = None, store: Path | None = None) -> di
     except ImportError:
         nvml = None
     sock = Path(socket_path) if socket_path else client_socket_path()
+    from gpuservd.daemon_config import load_daemon_config
+    from gpuservd.errors import UserError
+
     checks = [check_python(), *check_torch(torch), check_nvml(nvml), check_green_contexts(torch),
-              check_mps(torch.cuda.is_available()), check_disk(store or models_root()), check_socket(sock),
-              check_systemd()]
+              check_mps(torch.cuda.is_available())]
+    try:
+        cfg = load_daemon_config(None)
+        checks.append(check_sharing(cfg.sharing, cfg.engine.device))
+    except UserError as exc:
+        checks.append(Check("config", "critical", str(exc), {}))
+    checks += [check_disk(store or models_root()), check_socket(sock), check_systemd()]
     with Client(sock) as client:
         daemon, hints = check_daemon(client)
     checks += daemon

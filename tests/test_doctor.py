@@ -78,8 +78,21 @@ def test_nvml():
 def test_green_contexts():
     assert doctor.check_green_contexts(fake_torch()).status == "skip"
     assert doctor.check_green_contexts(fake_torch("12.8", True, (9, 0))).status == "ok"
-    assert doctor.check_green_contexts(fake_torch("12.8", True, (8, 0))).status == "info"
+    assert doctor.check_green_contexts(fake_torch("12.8", True, (8, 0))).status == "ok"
+    assert doctor.check_green_contexts(fake_torch("12.8", True, (6, 1))).status == "info"
     assert "no torch.cuda.green_contexts" in doctor.check_green_contexts(fake_torch("12.8", True, green=False)).summary
+
+
+def test_sharing_says_what_the_daemon_will_enforce():
+    from gpuservd.sharing.config import SharingConfig, sharing_from_dict
+
+    c = doctor.check_sharing(SharingConfig(), "cpu")
+    assert c.status == "skip" and c.summary.startswith("SM partitions: not enforced (no CUDA device)")
+    assert "time slices of 20 ms" in c.summary and c.detail["backend"] == "none"
+    c = doctor.check_sharing(sharing_from_dict({"backend": "green_context"}, "t"), "cpu")
+    assert c.status == "critical" and "sharing.backend green_context is not available on cpu" in c.summary
+    c = doctor.check_sharing(sharing_from_dict({"enabled": False}, "t"), "cpu")
+    assert "naive co-location" in c.summary
 
 
 def test_mps(tmp_path):
@@ -189,7 +202,7 @@ def test_doctor_command_on_this_box(tmp_path, monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     checks = {c["name"]: c for c in report["checks"]}
     assert code == report["exit_code"] == 1
-    assert set(checks) >= {"python", "torch", "gpu", "nvml", "green_contexts", "mps", "disk", "socket", "systemd",
+    assert set(checks) >= {"python", "torch", "gpu", "nvml", "green_contexts", "mps", "sharing", "disk", "socket", "systemd",
                            "daemon"}
     import torch
 
