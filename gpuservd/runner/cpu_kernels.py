@@ -17,7 +17,11 @@ finds the built library and loads it directly without importing the build
 machinery. AVX2/FMA/F16C code is compiled only where the CPU reports those
 flags; elsewhere the kernel's scalar loops are built. Where it also has
 AVX-512F/VL the same 256-bit code is compiled with EVEX encoding, which gives
-gemv 32 vector registers for its register blocks (1.3x at 16-32 rows).
+gemv 32 vector registers for its register blocks (1.3x at 16-32 rows). Where it
+also has AVX512_BF16 (and BW), gemv's bf16 dot-product kernel is compiled in
+(-mavx512bf16); the library checks the CPU again before using it
+(`ops.bf16_dp_available()`), so a library built elsewhere never runs an
+instruction the CPU lacks.
 
 Anything that goes wrong (no compiler, no ninja, a failed build or load) is
 logged once and `get()` returns None: the runner then takes its torch paths.
@@ -70,6 +74,8 @@ def _cflags() -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if {"avx512f", "avx512vl"} <= cpu:  # 32 vector registers for gemv's register blocks; 256-bit math
             flags += ["-mavx512f", "-mavx512vl", "-mprefer-vector-width=256"]
+            if {"avx512bw", "avx512_bf16"} <= cpu:  # gemv's bf16 dot-product kernel (vdpbf16ps, 512-bit)
+                flags += ["-mavx512bw", "-mavx512bf16"]
     return flags
 
 
@@ -144,6 +150,14 @@ def get():
             log.warning("C++ CPU kernels not used (%s); attention gathers KV blocks and layers run on torch ops", reason)
         _state["ops"], _state["reason"] = ops, reason
         return ops
+
+
+def bf16_dp() -> bool:
+    """Whether gemv multiplies bf16 with the AVX512_BF16 dot-product kernel (built in, and this CPU has it)."""
+    if "bf16_dp" not in _state:
+        ops = get()
+        _state["bf16_dp"] = bool(ops is not None and hasattr(ops, "bf16_dp_available") and ops.bf16_dp_available())
+    return _state["bf16_dp"]
 
 
 def status() -> dict:

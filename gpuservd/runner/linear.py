@@ -5,7 +5,8 @@ both kinds of call on the CPU:
 - decode-sized row counts (<= GEMV_MAX_ROWS) go to the C++ kernel `gemv`
   (csrc/gemv.cpp), which streams W once at close to memory bandwidth: at
   batch 1 a matmul is a pass over its weights, and oneDNN's inner product
-  reached ~18 GB/s of the machine's ~30-45;
+  reached ~18 GB/s of the machine's ~30-45; in bf16 on a CPU with
+  AVX512_BF16 the kernel's dot-product path takes up to GEMV_MAX_ROWS_BF16_DP;
 - larger row counts (prefill chunks, big decode batches) go to oneDNN's inner
   product on the same dense weight (within ~5% of oneDNN with its own reordered
   weight from 64 rows up, measured; `F.linear`/MKL was 10-25% slower).
@@ -37,6 +38,11 @@ ROW_BUCKET = 32
 # reordered weights at 8 rows, even at 16, 5% slower at 32, and level with oneDNN on
 # the dense weight at 64 (bench/results/2026-11-29-cpu-gemv).
 GEMV_MAX_ROWS = 32
+# bf16 on a CPU with AVX512_BF16, where the kernel multiplies bf16 pairs with vdpbf16ps: up to 64
+# rows. Over 30 layers of SmolLM2 weights streamed from DRAM (2 threads) it ran 1.7x / 1.4x / 1.3x
+# faster than F.linear's oneDNN bf16 matmul at 32 / 48 / 64 rows, level at 96-128
+# (bench/results/2026-11-29-cpu-dtype).
+GEMV_MAX_ROWS_BF16_DP = 64
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -62,6 +68,9 @@ class Linear:
         if use_gemv is None:
             use_gemv = weight.device.type == "cpu" and weight.dtype in GEMV_DTYPES
         self._gemv = cpu_kernels.get() if use_gemv else None
+        self.gemv_max_rows = GEMV_MAX_ROWS
+        if self._gemv is not None and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_dp():
+            self.gemv_max_rows = GEMV_MAX_ROWS_BF16_DP
 
     @property
     def gemv(self) -> bool:
@@ -70,7 +79,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self._gemv is not None and rows <= GEMV_MAX_ROWS and x.dim() == 2:
+        if self._gemv is not None and rows <= self.gemv_max_rows and x.dim() == 2:
             return self._gemv.gemv(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         if self.onednn:
             if rows > EXACT_ROWS and rows % ROW_BUCKET:
