@@ -1,4 +1,4 @@
-// AVX2 helpers shared by the kernels: widening loads of fp32 / bf16 / fp16 and a vector exp.
+// AVX2 helpers shared by the kernels: widening loads of fp32 / bf16 / fp16, bf16 stores and a vector exp.
 // GPUSERV_AVX2 is 0 where the build flags lack AVX2/FMA/F16C; callers then take scalar loops.
 #pragma once
 
@@ -22,6 +22,20 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// fp32 -> bf16, 8 lanes, as c10::BFloat16(float) rounds: to nearest even, NaN -> 0x7FC0.
+inline __m128i to_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_8(v)); }
+// v rounded to bf16 and widened back (the value a bf16 store then load would give).
+inline __m256 round_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_8(v)), 16));
 }
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
