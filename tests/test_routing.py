@@ -246,3 +246,25 @@ def test_no_device_can_make_room_fails_only_that_model(three_models):
         assert (await client.post("/v1/completions", json=body("a"))).status_code == 200
 
     run_in_app(check, two_slot_config(three_models))
+
+
+def test_a_variant_goes_where_its_base_is_even_when_another_device_is_free(three_models, store_home):
+    from test_variants import derive
+
+    derive(store_home, "tiny-lora")
+    config = two_slot_config(three_models)
+    config["engine"]["device_memory_bytes"] = three_models * 3
+    config["cache"]["cache_size"] = 2
+
+    async def check(client, serving):
+        for model in ("a", "tiny"):  # both fit cpu:0 without eviction: the lower index takes both
+            assert (await client.post("/v1/completions", json=body(model))).status_code == 200
+        assert serving.slots["a"].device == serving.slots["tiny"].device == "cpu:0"
+        # cpu:1 is empty, but the variant's base is on cpu:0: it goes there and a (idle, older) leaves
+        assert (await client.post("/v1/completions", json=body("tiny-lora"))).status_code == 200
+        assert serving.slots["tiny-lora"].device == "cpu:0" and serving.slots["tiny-lora"].source_tier == "delta"
+        assert "a" not in serving.slots and serving.cache.status()["devices"]["cpu:1"]["models"] == []
+        assert (await client.post("/v1/completions", json=body("a"))).status_code == 200
+        assert serving.slots["a"].device == "cpu:1"  # cpu:0 is full now; cpu:1 takes it without eviction
+
+    run_in_app(check, config)
