@@ -248,7 +248,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* tp = block_table.data_ptr<int32_t>();
   const int32_t* lp = ctx_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();  // out has q's dtype
 
   // Partition length: the largest (<= kMaxPartition) that still gives every thread a few items.
   int64_t part_len = kMaxPartition;
@@ -287,10 +287,13 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   });
 
   // Combine the partitions of each (b, head): rescale by exp(m_p - max m).
+  // bf16 / fp16 sum in an fp32 row and round once into out (no fp32 output and .to() per layer).
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      float* o = op + bh * D;
+      float* o;
+      if constexpr (std::is_same_v<T, float>) o = op + bh * D; else o = row.data();
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t it = first_item[b]; it < first_item[b + 1]; ++it) mx = std::max(mx, part_m[it * H + h]);
       float denom = 0.f;
@@ -304,7 +307,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t c = 0; c < D; ++c) o[c] += w * a[c];
       }
       const float inv = denom > 0.f ? 1.f / denom : 0.f;
-      for (int64_t c = 0; c < D; ++c) o[c] *= inv;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t c = 0; c < D; ++c) o[c] *= inv;
+      } else {
+        for (int64_t c = 0; c < D; ++c) op[bh * D + c] = static_cast<T>(o[c] * inv);
+      }
     }
   });
 }
@@ -325,14 +332,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(ctx_lens.scalar_type() == at::kInt && ctx_lens.is_contiguous() && ctx_lens.numel() == q.size(0),
               "ctx_lens must be int32 [B]");
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on the CPU");
-  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat: paged_decode_impl<float>(q, k_cache, v_cache, block_table, ctx_lens, scale, out); break;
     case at::kBFloat16: paged_decode_impl<at::BFloat16>(q, k_cache, v_cache, block_table, ctx_lens, scale, out); break;
     case at::kHalf: paged_decode_impl<at::Half>(q, k_cache, v_cache, block_table, ctx_lens, scale, out); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  return out;
 }
 
 int64_t simd_width() { return GPUSERV_AVX2 ? 8 : 1; }
