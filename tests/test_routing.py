@@ -268,3 +268,25 @@ def test_a_variant_goes_where_its_base_is_even_when_another_device_is_free(three
         assert serving.slots["a"].device == "cpu:1"  # cpu:0 is full now; cpu:1 takes it without eviction
 
     run_in_app(check, config)
+
+
+def test_the_sharing_plan_is_per_device(three_models):
+    """Quotas are checked against each device's memory, not every model's against one device's."""
+    config = two_slot_config(three_models)
+    config["engine"]["device_memory_bytes"] = 3 * three_models + 12 * 2**20  # one model's quota, not two
+    config["engine"]["kv_cache_bytes"] = "2MiB"
+    config["cache"]["cache_size"] = 1
+
+    async def check(client, serving):
+        for model in ("a", "b"):
+            await serving.load(model)  # cache_size 1: the second goes to cpu:1
+        st = (await client.get("/admin/status")).json()
+        assert {m["name"]: m["device"] for m in st["models"]} == {"a": "cpu:0", "b": "cpu:1"}
+        part = st["partitions"]
+        assert part["error"] is None and set(st["quotas"]) == {"a", "b"}
+        assert not [w for w in part["warnings"] if "add up" in w], part["warnings"]
+        assert [w for w in serving.sharing._plan_for(["a", "b"]).warnings if "add up" in w]  # one device's view
+        assert part["time_slice_group"] == "cpu:0, cpu:1"
+        assert st["arbiter"]["enabled"]
+
+    run_in_app(check, config)

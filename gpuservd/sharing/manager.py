@@ -19,10 +19,11 @@ every model is in one group, `device`, and the whole device is time-sliced.
 Several devices (M8, `engine.devices`): groups are per device, so models on
 different devices never take turns with each other: the time-sliced group is
 the device's name (`cpu:1`, `cuda:0`) and an enforcing backend's SM group `g`
-becomes `cuda:0/g`. With one device the names stay `device` and `g`. Not yet
-per device: the plan (quotas are per model, but the memory check sums every
-model against one device's memory), the SM partitions (made on engine.device)
-and the bandwidth throttle (one arbiter sees every device's models).
+becomes `cuda:0/g`. With one device the names stay `device` and `g`. The plan
+is made per device (each device's models against its own memory) and merged
+(`merge_plans`). Not yet per device: the SM partitions (made on engine.device)
+and the bandwidth throttle (one arbiter sees every device's models; right for
+CPU slots, which share the memory bus, not for separate GPUs).
 """
 
 from __future__ import annotations
@@ -33,6 +34,24 @@ from gpuservd.errors import UserError
 
 log = logging.getLogger("gpuservd.sharing")
 SHARED_GROUP = "device"
+
+
+def merge_plans(plans: dict):
+    """Per-device plans (device -> Plan) as one: groups `device/group`, quotas and fits side by side,
+    memory the devices' sum, warnings prefixed with their device."""
+    import dataclasses
+
+    from gpuservd.sharing.planner import Plan
+
+    ps = list(plans.values())
+    if len(ps) == 1 and not next(iter(plans)):
+        return ps[0]
+    memory = None if any(p.memory_bytes is None for p in ps) else sum(p.memory_bytes for p in ps)
+    return Plan(ps[0].hardware if ps else None,
+                [dataclasses.replace(g, name=f"{d}/{g.name}") for d, p in plans.items() for g in p.groups],
+                sum(p.spare_sms for p in ps), {n: q for p in ps for n, q in p.quotas.items()},
+                {n: f for p in ps for n, f in p.fits.items()}, memory,
+                [f"{d}: {w}" for d, p in plans.items() for w in p.warnings])
 
 
 class SharingManager:
@@ -75,20 +94,32 @@ class SharingManager:
         return f"{device}/{group}" if self.backend.enforced else device
 
     def replan(self, names: list[str]) -> None:
-        """The plan for the models now loaded (or loading); shares go to the arbiter at once."""
-        from gpuservd.sharing.planner import plan
-
+        """The plan for the models now loaded (or loading); shares go to the arbiter at once. With several
+        devices, one plan per device over the models on it (quotas checked against that device's memory),
+        merged: groups named `device/group`, warnings prefixed with the device."""
         self.names = sorted(set(names))
         sc = self.config.sharing
         try:
-            self.plan = plan(sc, self.hardware, self.names, engine=self.config.engine,
-                             memory_bytes=None if self.hardware else self.config.engine.device_memory_bytes)
+            if self.multi_device:
+                by_device: dict[str, list[str]] = {}
+                for n in self.names:
+                    by_device.setdefault(self.device_of.get(n, ""), []).append(n)
+                self.plan = merge_plans({d: self._plan_for(ns) for d, ns in sorted(by_device.items())}) \
+                    if by_device else self._plan_for([])
+            else:
+                self.plan = self._plan_for(self.names)
             self.plan_error = None
         except UserError as exc:  # the daemon serves on; status and the log say why there is no plan
             self.plan, self.plan_error = None, str(exc)
             log.warning("sharing plan for %s: %s", ", ".join(self.names) or "no models", exc)
         if self.arbiter is not None:
             self.arbiter.reconfigure(sc, sc.shares(self.names))
+
+    def _plan_for(self, names: list[str]):
+        from gpuservd.sharing.planner import plan
+
+        return plan(self.config.sharing, self.hardware, names, engine=self.config.engine,
+                    memory_bytes=None if self.hardware else self.config.engine.device_memory_bytes)
 
     def prepare(self, names: list[str]) -> dict:
         """At start, before any engine: an enforcing backend makes the SM groups of the plan for these models
