@@ -290,6 +290,10 @@ class Daemon:
         for f, v in changed.items():
             setattr(old, f, v)
         engine_changed = new.engine != self.cfg.engine
+        if (new.engine.devices or self.cfg.engine.devices) and new.engine.device_names() != self.serving.devices:
+            # the device tiers (M8) are built at start
+            restart.append("engine.devices")
+            new.engine.devices = list(self.cfg.engine.devices)
         self.cfg.engine = new.engine  # applies at the next model load
 
         def on_engine(model: str, fn) -> None:

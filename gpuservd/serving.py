@@ -365,9 +365,10 @@ class Serving:
             base, config_dir = self._variant_dirs(name, model_dir)  # a variant (M6) runs on its base's config
             self.cache.claim(name)  # weights held for its variants stay while its engine is built
             slot.device = await self._make_room(name, model_dir, cfg)  # M8: the device it goes to
-            from gpuservd.config import torch_device
+            if cfg.devices:  # several devices (M8); with one, engine.device applies as before (reload too)
+                from gpuservd.config import torch_device
 
-            cfg.device = torch_device(slot.device)
+                cfg.device = torch_device(slot.device)
         except Exception as exc:
             self._load_failed(slot, exc)
             raise

@@ -290,3 +290,28 @@ def test_the_sharing_plan_is_per_device(three_models):
         assert st["arbiter"]["enabled"]
 
     run_in_app(check, config)
+
+
+def test_the_daemon_starts_models_across_devices_and_a_new_device_list_needs_a_restart(tmp_path, tiny_model_dir):
+    from daemon_harness import DaemonProcess, make_home
+
+    home = make_home(tmp_path, tiny_model_dir, names=("a", "b"))
+    config = {"engine": {"devices": ["cpu:0", "cpu:1"]}, "cache": {"cache_size": 1},
+              "server": {"models": ["a", "b"]}}
+    d = DaemonProcess(tmp_path, home, config=config)
+    try:
+        d.wait_ready()
+        st = d.status()
+        assert sorted(m["device"] for m in st["models"]) == ["cpu:0", "cpu:1"]
+        assert sorted(st["devices"]) == ["cpu:0", "cpu:1"]
+        assert all(len(v["models"]) == 1 for v in st["devices"].values())
+        d.write_config({**config, "engine": {"devices": ["cpu:0"]}})
+        with d.http() as c:
+            r = c.post("/admin/reload")
+            assert r.status_code == 200 and "engine.devices" in r.json()["needs_restart"], r.text
+            for name in ("a", "b"):
+                ok = c.post("/v1/completions", json=body(name))
+                assert ok.status_code == 200, ok.text
+        assert sorted(d.status()["devices"]) == ["cpu:0", "cpu:1"]  # the running devices stay until a restart
+    finally:
+        d.stop()
