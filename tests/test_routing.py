@@ -305,6 +305,13 @@ def test_the_daemon_starts_models_across_devices_and_a_new_device_list_needs_a_r
         assert sorted(m["device"] for m in st["models"]) == ["cpu:0", "cpu:1"]
         assert sorted(st["devices"]) == ["cpu:0", "cpu:1"]
         assert all(len(v["models"]) == 1 for v in st["devices"].values())
+        from typer.testing import CliRunner
+
+        from gpuservd.cli.main import app as cli
+
+        out = CliRunner().invoke(cli, ["status", "--socket", str(d.socket)]).output
+        line = next(x for x in out.splitlines() if x.startswith("devices: "))
+        assert "cpu:0 " in line and "cpu:1 " in line and "load 0" in line, out
         d.write_config({**config, "engine": {"devices": ["cpu:0"]}})
         with d.http() as c:
             r = c.post("/admin/reload")

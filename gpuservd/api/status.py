@@ -50,6 +50,7 @@ class DaemonStatus:
     num_rejected_total: int  # refused with 4xx/5xx since start
     sharing: dict | None = None  # the SM-partition backend: {"name", "enforced", "summary", ...}
     arbiter: dict | None = None  # time slices and bandwidth priority (sharing/arbiter.py status())
+    devices: dict | None = None  # per device (M8): budget_bytes, used_bytes, models, cache_size, load
 
     @classmethod
     def from_dict(cls, data: dict) -> "DaemonStatus":
