@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -158,6 +157,15 @@ def two_slot_config(weight_bytes):
             "server": {"models": []}}
 
 
+async def settled(serving, timeout=30.0):
+    """Every model's KV blocks back in its pool and nothing in flight (the engine's snapshot lags a step)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while any(s.loop.snapshot.kv_blocks_used or s.num_in_flight for s in serving.slots.values()):
+        assert asyncio.get_running_loop().time() < deadline, {
+            n: (s.loop.snapshot.kv_blocks_used, s.num_in_flight) for n, s in serving.slots.items()}
+        await asyncio.sleep(0.05)
+
+
 def engine_threads():
     return {t.name for t in threading.enumerate() if t.name.startswith("engine-")}
 
@@ -189,32 +197,35 @@ def test_requests_route_to_the_device_that_holds_their_model(three_models):
         assert {m["name"]: m["sharing_group"] for m in st["models"]} == {"a": "cpu:0", "b": "cpu:1"}
         assert {m["name"]: m["tiers"]["device_name"] for m in st["models"]} == {"a": "cpu:0", "b": "cpu:1"}
 
-        # b busy (its steps slowed down), a idle and used more recently: c takes a's place on cpu:0
+        # b busy (its engine holds its step until the gate opens), a idle: c takes a's place on cpu:0
         engine = serving.slots["b"].loop.engine
         real_step = engine.step
+        gate = threading.Event()
 
-        def slow_step():
-            time.sleep(0.05)
+        def gated_step():
+            gate.wait(60)
             return real_step()
 
-        engine.step = slow_step
-        busy = asyncio.ensure_future(client.post("/v1/completions", json=body("b", 30)))
-        while serving.slots["b"].num_in_flight == 0:
-            await asyncio.sleep(0.01)
-        st = (await client.get("/admin/status")).json()
-        assert st["devices"]["cpu:1"]["load"] == 1 and st["devices"]["cpu:0"]["load"] == 0
-        r = await client.post("/v1/completions", json=body("c"))
-        assert r.status_code == 200
-        assert serving.slots["b"].num_in_flight == 1, "b's request ended before c was routed"
-        assert serving.slots["c"].device == "cpu:0" and "a" not in serving.slots
-        evicts = [e for e in events if e["type"] == "model_evict"]
-        assert [(e["model"], e["device"], e["for"]) for e in evicts] == [("a", "cpu:0", "c")]
-        assert loads("c")[0]["device"] == "cpu:0" and loads("b")[0]["device"] == "cpu:1"
+        engine.step = gated_step
+        try:
+            busy = asyncio.ensure_future(client.post("/v1/completions", json=body("b", 5)))
+            while serving.slots["b"].num_in_flight == 0:
+                await asyncio.sleep(0.01)
+            st = (await client.get("/admin/status")).json()
+            assert st["devices"]["cpu:1"]["load"] == 1 and st["devices"]["cpu:0"]["load"] == 0
+            r = await client.post("/v1/completions", json=body("c"))
+            assert r.status_code == 200
+            assert serving.slots["b"].num_in_flight == 1, "b's request ended before c was routed"
+            assert serving.slots["c"].device == "cpu:0" and "a" not in serving.slots
+            evicts = [e for e in events if e["type"] == "model_evict"]
+            assert [(e["model"], e["device"], e["for"]) for e in evicts] == [("a", "cpu:0", "c")]
+            assert loads("c")[0]["device"] == "cpu:0" and loads("b")[0]["device"] == "cpu:1"
+        finally:
+            gate.set()  # never leave b's engine thread waiting
         assert (await busy).status_code == 200
         engine.step = real_step
         assert "engine-a" not in engine_threads()  # the evicted model's engine thread ended
-        for slot in serving.slots.values():
-            assert slot.loop.snapshot.kv_blocks_used == 0 and slot.num_in_flight == 0
+        await settled(serving)
 
     before = engine_threads()
     run_in_app(check, two_slot_config(three_models))
@@ -228,6 +239,7 @@ def test_two_cold_requests_at_once_go_to_different_devices(three_models):
         assert ra.status_code == rb.status_code == 200
         assert {serving.slots["a"].device, serving.slots["b"].device} == {"cpu:0", "cpu:1"}
         assert serving.cache.reserved == {}
+        await settled(serving)
 
     before = engine_threads()
     run_in_app(check, two_slot_config(three_models))
