@@ -251,3 +251,16 @@ def test_device_memory_bandwidth_over_threshold_is_pressure():
     assert arb.status()["models"]["big"]["duty"] < 1.0
     ev = [e for e in arb.take_events() if e["type"] == "bandwidth_throttle"]
     assert any(e.get("reason") == "memory bandwidth" and e["mem_bw_util_pct"] == 95.0 for e in ev)
+
+
+def test_pressure_throttles_only_the_latency_critical_models_bandwidth_domain():
+    """Separate GPUs have separate HBM: a slow latency-critical model on one does not throttle the other's."""
+    t = ThrottleConfig(increase=0.25, decrease=0.5, min_duty=0.1, interval_ms=20)
+    arb = Arbiter(cfg(throttle=t))
+    small = arb.register("small", "cuda:0", 0.5, LC, step_target_ms=1, bandwidth_domain="cuda:0")
+    near = arb.register("near", "cuda:0/b", 0.5, BE, bandwidth_domain="cuda:0")
+    far = arb.register("far", "cuda:1", 0.5, BE, bandwidth_domain="cuda:1")
+    until = time.perf_counter() + 0.4
+    run_all([Worker(small, 1, 0.004, until), Worker(near, 1, 0.002, until), Worker(far, 1, 0.002, until)])
+    st = arb.status()["models"]
+    assert st["near"]["duty"] < 1.0 and st["far"]["duty"] == 1.0

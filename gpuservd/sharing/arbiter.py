@@ -69,6 +69,7 @@ class ModelShare:
     share: float
     sharing_class: SharingClass
     step_target_s: float = 0.0  # 0 = learned
+    domain: str = ""  # its memory bus (bandwidth_domain): pressure crosses no domain boundary
     duty: float = 1.0  # G4: the share of time a best-effort model may issue steps
     vtime: float = 0.0  # run seconds / share
     usage: float = 0.0  # decayed fraction of recent time holding the group
@@ -137,14 +138,16 @@ class Arbiter:
 
     # ---- membership -------------------------------------------------------------------------------
     def register(self, name: str, group: str, share: float, sharing_class: SharingClass,
-                 step_target_ms: float = 0.0) -> "ArbiterHandle":
+                 step_target_ms: float = 0.0, bandwidth_domain: str = "") -> "ArbiterHandle":
+        """bandwidth_domain: models that share a memory bus (one GPU; all CPU slots); a latency-critical model's
+        pressure throttles best-effort models of its own domain only."""
         with self._cond:
             if name in self._models:
                 raise ValueError(f"model {name} is already registered with the arbiter")
             self._groups.setdefault(group, _Group(group))
             others = [m.vtime for m in self._models.values() if m.group == group]
             m = ModelShare(name, group, max(share, 1e-3), sharing_class, step_target_ms / 1000,
-                           vtime=min(others) if others else 0.0, usage_t=self.clock())
+                           vtime=min(others) if others else 0.0, usage_t=self.clock(), domain=bandwidth_domain)
             self._models[name] = m
         return ArbiterHandle(self, m)
 
@@ -361,47 +364,51 @@ class Arbiter:
         time.sleep(gap)
 
     def _govern(self, now: float) -> None:
-        """G4: AIMD on best-effort duty cycles from latency-critical step times over the last interval."""
+        """G4: AIMD on best-effort duty cycles from latency-critical step times over the last interval, per
+        bandwidth domain (a GPU's HBM; the host's memory bus for CPU slots)."""
         self._last_govern = now
         t = self.config.throttle
-        pressure = None
+        pressure: dict[str, dict] = {}  # domain -> why
         for m in self._models.values():
             steps, m.interval_steps = m.interval_steps, []
             if not m.latency_critical or not steps:
                 continue
             target = m.target_s()
             p90 = sorted(steps)[min(len(steps) - 1, int(0.9 * len(steps)))]
+            current = pressure.get(m.domain)
             if target is None:
                 # No step of it has run alone yet (a best-effort neighbour is always running): hold the
                 # neighbours back until it has, or it would never learn what its steps should take.
-                if pressure is None and any(not x.latency_critical for x in self._models.values()):
-                    pressure = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
-                                "target_ms": None, "reason": "calibrating"}
+                if current is None and any(not x.latency_critical and x.domain == m.domain
+                                           for x in self._models.values()):
+                    pressure[m.domain] = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
+                                          "target_ms": None, "reason": "calibrating"}
                 continue
-            if p90 > target and (pressure is None or pressure.get("reason") == "calibrating"):
-                pressure = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
-                            "target_ms": round(1000 * target, 3), "reason": "over target"}
+            if p90 > target and (current is None or current.get("reason") == "calibrating"):
+                pressure[m.domain] = {"latency_critical": m.name, "step_ms_p90": round(1000 * p90, 3),
+                                      "target_ms": round(1000 * target, 3), "reason": "over target"}
         bw = self._mem_bw
-        if (pressure is None and bw is not None and now - bw[0] < 3.0 and bw[1] > t.mem_bw_threshold_pct
-                and any(m.latency_critical for m in self._models.values())):
-            pressure = {"latency_critical": next(m.name for m in self._models.values() if m.latency_critical),
-                        "mem_bw_util_pct": round(bw[1], 1), "threshold_pct": t.mem_bw_threshold_pct,
-                        "reason": "memory bandwidth"}
+        if bw is not None and now - bw[0] < 3.0 and bw[1] > t.mem_bw_threshold_pct:
+            lc = next((m for m in self._models.values() if m.latency_critical and m.domain not in pressure), None)
+            if lc is not None:  # the reading is this arbiter's device's
+                pressure[lc.domain] = {"latency_critical": lc.name, "mem_bw_util_pct": round(bw[1], 1),
+                                       "threshold_pct": t.mem_bw_threshold_pct, "reason": "memory bandwidth"}
         if not self.config.bandwidth_priority:
             return
         for m in self._models.values():
             if m.latency_critical:
                 continue
+            why = pressure.get(m.domain)
             before = m.duty
-            if pressure is not None:
+            if why is not None:
                 m.duty = max(t.min_duty, m.duty * t.decrease)
             else:
                 m.duty = min(1.0, m.duty + t.increase)
-            if m.duty != before and (pressure is not None or m.duty == 1.0):
+            if m.duty != before and (why is not None or m.duty == 1.0):
                 self.num_throttle_changes += 1
                 self._events.append({"type": "bandwidth_throttle", "t": time.time(), "model": m.name,
                                      "duty": round(m.duty, 4), "previous": round(before, 4),
-                                     "device": self.device, **(pressure or {"reason": "calm"})})
+                                     "device": self.device, **(why or {"reason": "calm"})})
 
     def _event(self, fields: dict) -> None:
         self._events.append({"type": "time_slice", "t": time.time(), "device": self.device,

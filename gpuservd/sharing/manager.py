@@ -54,6 +54,11 @@ def merge_plans(plans: dict):
                 [f"{d}: {w}" for d, p in plans.items() for w in p.warnings])
 
 
+def bandwidth_domain(device: str) -> str:
+    """Models whose steps compete for one memory bus: a GPU's HBM is its own; CPU device slots share the host's."""
+    return "cpu" if device.startswith("cpu") else device
+
+
 class SharingManager:
     def __init__(self, config, device: dict, reader=None):
         from gpuservd.gpu.backends import choose_backend
@@ -150,8 +155,9 @@ class SharingManager:
             return None
         sc = self.config.sharing
         spec = sc.model(name)
+        dev = self.device_of.get(name) or self.config.engine.device
         return self.arbiter.register(name, self.group_of(name), sc.shares(self.names)[name], spec.sharing_class,
-                                     spec.step_target_ms)
+                                     spec.step_target_ms, bandwidth_domain=bandwidth_domain(dev))
 
     def bind(self, name: str) -> None:
         """On the model's engine thread, before its engine is built: its SM partition (enforcing backends)."""
