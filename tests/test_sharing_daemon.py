@@ -4,6 +4,7 @@ their KV pools, what /admin/status says on a machine without CUDA, and the confi
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -104,12 +105,23 @@ def test_a_memory_quota_caps_the_models_own_kv_and_a_lowered_one_moves_its_reque
         def on_engine(model, fn):
             serving.slots[model].loop.call(fn)
 
-        # long requests in flight on tiny, then the quota drops under what they hold
+        # long requests in flight on tiny; the engine is held at a step boundary once they hold twice the new
+        # cap, the quota drops (a reload), and the engine goes on: no timing involved
+        reached, go = threading.Event(), threading.Event()
+        real_step = eng.step
+
+        def gated_step():
+            if eng.pool.num_used >= 2 * cap and not go.is_set():
+                reached.set()
+                go.wait(30)
+            return real_step()
+
+        eng.step = gated_step
         jobs = [asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "model": "tiny", "max_tokens": 40}))
                 for _ in range(4)]
-        while eng.pool.num_used < 2 * cap and not all(j.done() for j in jobs):
-            await asyncio.sleep(0.005)
+        assert await asyncio.to_thread(reached.wait, 60)
         assert serving.sharing.reconfigure(quota(cap), on_engine) == []
+        go.set()
         rs = await asyncio.gather(*jobs)
         assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40 for r in rs)
         st = (await client.get("/admin/status")).json()

@@ -35,8 +35,10 @@ model with no target yet (no step of it ran alone: a neighbour always runs)
 counts as pressure until it has one: the neighbours are held back so it can.
 
 Switching cost. Each handoff is timed from the release to the moment the next
-holder's thread runs (`switch_s` in the `time_slice` event); the share of time
-spent switching is in `status()` and feeds the `timeslice_overhead` hint.
+holder's thread runs (`switch_s` in the `time_slice` event, one per handoff; a
+model alone that goes idle switches nothing and emits none); the share of
+contended time spent switching is `overhead_share` in `status()` and feeds the
+`timeslice_overhead` hint.
 
 The arbiter holds one lock; the per-layer check takes it only when another model
 of the group is waiting, so a model alone pays a dict lookup per layer.
@@ -132,7 +134,8 @@ class Arbiter:
         self._last_govern = clock()
         self.switch_s = 0.0
         self.num_switches = 0
-        self.slice_run_s = 0.0
+        self.slice_run_s = 0.0  # every slice's run time
+        self.handoff_run_s = 0.0  # the run time of slices that ended in a handoff (the group was contended)
         self.num_throttle_changes = 0
         self._mem_bw: tuple[float, float] | None = None  # (monotonic time, device memory-bandwidth use %)
 
@@ -305,11 +308,10 @@ class Arbiter:
         m.usage += run / USAGE_TAU_S
         self.slice_run_s += run
         nxt = self._pick(g, include=None)
-        if nxt is None:
+        if nxt is None:  # nobody waits: no switch, no time_slice event (a model alone is not time-sliced)
             g.holder = None
-            self._event({"model": m.name, "group": g.name, "run_s": run, "switch_s": 0.0, "reason": reason,
-                         "next": None})
             return
+        self.handoff_run_s += run
         # Hand over directly: the next holder is chosen now; its thread times the switch when it wakes.
         del g.waiting[nxt.name]
         g.holder = nxt
@@ -432,7 +434,7 @@ class Arbiter:
     def status(self) -> dict:
         with self._cond:
             now = self.clock()
-            total = self.slice_run_s + self.switch_s
+            total = self.handoff_run_s + self.switch_s  # switching against contended time, not idle time
             groups = []
             for g in self._groups.values():
                 groups.append({"name": g.name, "models": sorted(m.name for m in self._models.values()
