@@ -106,6 +106,20 @@ def onednn_impls() -> dict:
     return impls
 
 
+def alternating_medians(names: list[str], one_pass, reps: int) -> dict[str, float]:
+    """Median seconds of one_pass(name) per name over `reps` rounds after a warm-up round, the order
+    alternating every round so neither variant always runs on a warmer cache."""
+    times = {k: [] for k in names}
+    with torch.inference_mode():
+        for r in range(reps + 1):
+            for k in names if r % 2 else names[::-1]:
+                t0 = time.perf_counter()
+                one_pass(k)
+                if r:  # round 0 warms up
+                    times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def matmul_case(name: str, rows: int, dtype: torch.dtype, reps: int) -> dict:
     ops = cpu_kernels.get()
     out_f, in_f = SHAPES[name]
@@ -130,17 +144,11 @@ def matmul_case(name: str, rows: int, dtype: torch.dtype, reps: int) -> dict:
     tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
     for fn in variants.values():
         torch.testing.assert_close(fn(0).float(), ref, **tol)
-    times = {k: [] for k in variants}
-    names = list(variants)
-    with torch.inference_mode():
-        for r in range(reps + 1):
-            for k in names if r % 2 else names[::-1]:
-                t0 = time.perf_counter()
-                for i in range(copies):
-                    variants[k](i)
-                if r:  # repetition 0 warms up
-                    times[k].append((time.perf_counter() - t0) / copies)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    def one_pass(k):
+        for i in range(copies):
+            variants[k](i)
+
+    med = {k: v / copies for k, v in alternating_medians(list(variants), one_pass, reps).items()}
     flop = 2 * rows * out_f * in_f
     return {"matmul": name, "dtype": str(dtype)[6:], "rows": rows, "copies": copies, "reps": reps,
             **{f"{k}_us": round(v * 1e6, 1) for k, v in med.items()},
@@ -163,19 +171,14 @@ def layer_sweep(rows: int, reps: int) -> dict:
         variants["gemv_bf16_dp"] = lambda x, w: ops.gemv(x, w, None)
     if rows <= GEMV_MAX_ROWS and ops is not None:
         variants["gemv_widen"] = lambda x, w: ops.gemv_widen(x, w, None)
-    times = {k: [] for k in variants}
-    names = list(variants)
-    with torch.inference_mode():
-        for r in range(reps + 1):
-            for k in names if r % 2 else names[::-1]:
-                t0 = time.perf_counter()
-                for layer in ws:
-                    for w in layer:
-                        variants[k](xs[w.shape[1]], w)
-                if r:
-                    times[k].append(time.perf_counter() - t0)
+
+    def one_pass(k):
+        for layer in ws:
+            for w in layer:
+                variants[k](xs[w.shape[1]], w)
+
+    med = alternating_medians(list(variants), one_pass, reps)
     flop = 2 * rows * 30 * sum(n * k for n, k in LAYER_SHAPES)
-    med = {k: statistics.median(v) for k, v in times.items()}
     return {"rows": rows, "dtype": "bfloat16", **{f"{k}_ms": round(v * 1e3, 2) for k, v in med.items()},
             **{f"{k}_gflops": round(flop / v / 1e9, 1) for k, v in med.items()}}
 
