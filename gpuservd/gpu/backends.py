@@ -23,6 +23,7 @@ green_context or mps where it does not work is a UserError that says why.
 
 from __future__ import annotations
 
+import abc
 import threading
 
 from gpuservd.errors import UserError
@@ -31,15 +32,16 @@ from gpuservd.gpu.readings import NO_CUDA, cuda_index
 from gpuservd.sharing.config import Backend
 
 
-class PartitionBackend:
+class PartitionBackend(abc.ABC):
     """The interface: `name`, `enforced`, `status()`, `prepare(groups)`, `bind(model, num_sms, group)`,
     `unbind(model)`, `close()`."""
 
     name = "none"
     enforced = False  # True only when models' kernels are kept to their SMs
 
+    @abc.abstractmethod
     def summary(self) -> str:
-        raise NotImplementedError
+        """One line for a person: what is enforced, on which device, and why not when it is not."""
 
     def status(self) -> dict:
         return {"name": self.name, "enforced": self.enforced, "summary": self.summary()}
