@@ -134,7 +134,6 @@ class Arbiter:
         self._last_govern = clock()
         self.switch_s = 0.0
         self.num_switches = 0
-        self.slice_run_s = 0.0  # every slice's run time
         self.handoff_run_s = 0.0  # the run time of slices that ended in a handoff (the group was contended)
         self.num_throttle_changes = 0
         self._mem_bw: tuple[float, float] | None = None  # (monotonic time, device memory-bandwidth use %)
@@ -306,7 +305,6 @@ class Arbiter:
         m.vtime += run / m.share
         self._decay(m, now)
         m.usage += run / USAGE_TAU_S
-        self.slice_run_s += run
         nxt = self._pick(g, include=None)
         if nxt is None:  # nobody waits: no switch, no time_slice event (a model alone is not time-sliced)
             g.holder = None
