@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gpuservd.bench.output import write_result
 from gpuservd.bench.floor import ForeignLoad
 from gpuservd.paths import models_root
 from gpuservd.runner import cpu_kernels
@@ -271,9 +272,7 @@ def main():
                 print(json.dumps(steps[-1]), flush=True)
             result["decode_step"] = {"model": args.model, "cases": steps}
     result["foreign_cpu_share"] = load.share
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "result.md").write_text(render_md(result))
+    write_result(args.out, result, render_md(result))
 
 
 def render_md(result: dict) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from gpuservd.bench.output import write_result
 from gpuservd.bench.floor import ForeignLoad, measure_read_bandwidth, weight_bytes_per_decode_step
 from gpuservd.paths import models_root
 from gpuservd.runner import cpu_kernels
@@ -173,9 +174,7 @@ def main():
                                "onednn_reordered_ratio": round(b1["onednn_reordered_ms"] / floor_ms, 2)}
             print(json.dumps(result["floor"]), flush=True)
     result["foreign_cpu_share"] = load.share
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "result.md").write_text(render_md(result))
+    write_result(args.out, result, render_md(result))
 
 
 def render_md(result: dict) -> str:

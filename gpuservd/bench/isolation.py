@@ -147,31 +147,29 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
     pending: set = set()
     loop = asyncio.get_running_loop()
 
-    def big_done(t: _Track) -> None:
-        pending.discard(t)
-        big_tokens.extend(x for x in t.token_times if x <= end)
-        if time.perf_counter() < end and t.error is None:
-            loop.call_soon(start_big)
+    def closed_loop(model: str, rng: random.Random, prompt_len: int, lengths: tuple[int, int],
+                    tracks: list, tokens: list):
+        """start(): one request of the loop; each one that finishes before `end` starts the next. Output
+        lengths vary (lengths = lo, hi) so the loop does not settle into waves of requests that start and
+        finish together (a window's count would then depend on its phase)."""
+        def done(t: _Track) -> None:
+            pending.discard(t)
+            tokens.extend(x for x in t.token_times if x <= end)
+            if time.perf_counter() < end and t.error is None:
+                loop.call_soon(start)
 
-    def start_big() -> None:
-        # Lengths vary (0.5x-1.5x, mean big_output) so the closed loop does not settle into waves of
-        # requests that start and finish together (a window's count would then depend on its phase).
-        out = big_rng.randint(spec.big_output // 2, spec.big_output * 3 // 2)
-        t = drv.submit(spec.big, _prompt(big_rng, spec.big_prompt), out, big_done)
-        big_tracks.append(t)
-        pending.add(t)
+        def start() -> None:
+            t = drv.submit(model, _prompt(rng, prompt_len), rng.randint(*lengths), done)
+            tracks.append(t)
+            pending.add(t)
 
-    def small_closed_done(t: _Track) -> None:
-        pending.discard(t)
-        small_tokens.extend(x for x in t.token_times if x <= end)
-        if time.perf_counter() < end and t.error is None:
-            loop.call_soon(start_small_closed)
+        return start
 
-    def start_small_closed() -> None:
-        out = small_rng.randint(max(1, spec.small_output // 2), spec.small_output * 3 // 2 + 1)
-        t = drv.submit(spec.small, _prompt(small_rng, spec.small_prompt), out, small_closed_done)
-        small_tracks.append(t)
-        pending.add(t)
+    start_big = closed_loop(spec.big, big_rng, spec.big_prompt, (spec.big_output // 2, spec.big_output * 3 // 2),
+                            big_tracks, big_tokens)
+    start_small_closed = closed_loop(spec.small, small_rng, spec.small_prompt,
+                                     (max(1, spec.small_output // 2), spec.small_output * 3 // 2 + 1),
+                                     small_tracks, small_tokens)
 
     def small_done(t: _Track) -> None:
         pending.discard(t)
