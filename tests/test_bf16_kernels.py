@@ -58,8 +58,9 @@ def test_dp_gemv_reads_a_row_strided_x(dp):
 
 
 def test_linear_routes_up_to_64_bf16_rows_to_the_kernel(dp, monkeypatch):
+    """The dense layout (GPUSERV_PACKED_WEIGHTS=0; packed weights take every row count, test_packed_gemm.py)."""
     w, b = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16()
-    lin = Linear(w, b)
+    lin = Linear(w, b, use_packed=False)
     assert lin.gemv and lin.gemv_max_rows == GEMV_MAX_ROWS_BF16_DP == 64
     assert Linear(w.float(), b.float()).gemv_max_rows == 32  # fp32 routing unchanged
     calls = []

@@ -8,6 +8,9 @@
   decode batch sizes torch's dispatch and allocations cost more than the math.
 - `gemv`: y = x @ W^T + b for decode-sized row counts on the dense weight,
   streamed once at close to memory bandwidth (gemv.cpp; Linear routes rows).
+- `packed_linear`: y = x @ W^T + b in bf16 for every row count, W repacked in
+  pair panels for vdpbf16ps outer products (packed_gemm.cpp; AVX512_BF16 only,
+  `packed_available()` says whether this CPU and build have it).
 
 They are compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja;
 about 10 s on a 2-core machine) into torch's extension directory
@@ -45,7 +48,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemv.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemv.cpp", CSRC / "packed_gemm.cpp"]
 HEADERS = [CSRC / "simd.h"]
 ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 

@@ -120,6 +120,9 @@ class VariantWeights:
     def nbytes(self) -> int:
         return self._delta_bytes
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base.embed_tokens(ids)
+
     def layer(self, i: int) -> LayerWeights:
         """The base's layer i (waiting for it if the base is still streaming in) with the delta on top."""
         lw = self._layers[i]

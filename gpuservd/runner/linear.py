@@ -16,12 +16,25 @@ kept a second copy of a tied embedding for the LM head (113 MB on SmolLM2).
 Without oneDNN (CUDA, or a torch built without it) `F.linear` takes the rows
 the kernel does not; without the C++ kernels (GPUSERV_CPU_KERNELS=0, no
 compiler) everything goes to oneDNN / `F.linear`.
+
+bf16 on a CPU with AVX512_BF16 is the exception: there the one copy is the
+weight repacked into pair panels (csrc/packed_gemm.cpp explains the layout)
+and every row count goes to `packed_linear`, an outer-product kernel with no
+per-output reductions. Over 30 layers of SmolLM2 shapes (2 threads) it ran
+1.25x / 1.3x faster than the dense dot-product gemv at 32 / 64 rows, level
+at 1-8 rows (both stream W at DRAM speed), and 1.1-1.2x faster than oneDNN's
+bf16 matmul on the dense weight at 128-512 rows (prefill); see
+bench/results/2026-11-29-cpu-packed-gemm. `rows(ids)` reads dense rows back
+out of the packed copy, so a tied embedding and LM head stay one tensor.
+`GPUSERV_PACKED_WEIGHTS=0` keeps the dense layout (the A/B reference).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+import os
 
 from gpuservd.runner import cpu_kernels
 
@@ -44,6 +57,34 @@ GEMV_MAX_ROWS = 32
 # (bench/results/2026-11-29-cpu-dtype).
 GEMV_MAX_ROWS_BF16_DP = 64
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PANEL = 16  # output columns per panel of the packed layout (fp32 lanes of one AVX-512 register)
+PACKED_SWITCH = "GPUSERV_PACKED_WEIGHTS"
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> pair panels [ceil(N/16), ceil(K/2), 32]: packed[p][kk][2j + e] = W[16p + j][2kk + e],
+    zero padded (csrc/packed_gemm.cpp)."""
+    n, k = w.shape
+    p, k2 = -(-n // PANEL), -(-k // 2)
+    if n % PANEL or k % 2:
+        w = torch.nn.functional.pad(w, (0, 2 * k2 - k, 0, p * PANEL - n))
+    return w.reshape(p, PANEL, k2, 2).permute(0, 2, 1, 3).contiguous().view(p, k2, 2 * PANEL)
+
+
+def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The dense W [n, k] a pair-panel tensor holds."""
+    p, k2, _ = packed.shape
+    return packed.view(p, k2, PANEL, 2).permute(0, 2, 1, 3).reshape(p * PANEL, 2 * k2)[:n, :k]
+
+
+def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether bf16 weights on this device are held in pair panels for the packed kernel."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    if os.environ.get(PACKED_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    ops = cpu_kernels.get()
+    return bool(ops is not None and hasattr(ops, "packed_available") and ops.packed_available())
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -57,17 +98,24 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Linear:
     """y = x @ W^T + b for x [T, in]; W [out, in] as stored in the checkpoint (kept as given,
-    so a tied LM head shares the embedding's storage)."""
+    so a tied LM head shares the embedding's storage), or repacked in pair panels (bf16 on
+    AVX512_BF16; `weight` is then None and `rows` / `dense` read it back)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = False,
-                 use_gemv: bool | None = None):
-        self.weight = weight if weight.is_contiguous() else weight.contiguous()
+                 use_gemv: bool | None = None, use_packed: bool | None = None):
+        self.out_features, self.in_features = weight.shape
         self.bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
-        self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+        if use_packed is None:
+            use_packed = packed_enabled(weight.device, weight.dtype)
+        self.packed = pack_pairs(weight) if use_packed else None
+        self.weight = None if use_packed else (weight if weight.is_contiguous() else weight.contiguous())
+        held = self.packed if use_packed else self.weight
+        self.nbytes = held.numel() * held.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
         self.onednn = use_onednn  # rows the GEMV does not take go to oneDNN (dense weight), else F.linear
         if use_gemv is None:
             use_gemv = weight.device.type == "cpu" and weight.dtype in GEMV_DTYPES
-        self._gemv = cpu_kernels.get() if use_gemv else None
+        self._ops = cpu_kernels.get() if (use_gemv or use_packed) else None
+        self._gemv = self._ops if use_gemv and not use_packed else None
         self.gemv_max_rows = GEMV_MAX_ROWS
         if self._gemv is not None and weight.dtype == torch.bfloat16 and cpu_kernels.bf16_dp():
             self.gemv_max_rows = GEMV_MAX_ROWS_BF16_DP
@@ -77,8 +125,27 @@ class Linear:
         """Whether decode-sized row counts run on the C++ GEMV kernel."""
         return self._gemv is not None
 
+    def dense(self) -> torch.Tensor:
+        """W [out, in] (a copy when packed)."""
+        if self.packed is None:
+            return self.weight
+        return unpack_pairs(self.packed, self.out_features, self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [len(ids), in]: an embedding lookup on the (tied) weight, whatever its layout."""
+        if self.packed is None:
+            return self.weight.index_select(0, ids)
+        p, k2, _ = self.packed.shape
+        panels = self.packed.view(p, k2, PANEL, 2)[ids // PANEL, :, ids % PANEL]  # [T, k2, 2]
+        return panels.reshape(ids.shape[0], 2 * k2)[:, : self.in_features].contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.packed is not None:
+            if x.dim() != 2:
+                return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+            return self._ops.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), self.packed,
+                                           self.out_features, self.bias)
         if self._gemv is not None and rows <= self.gemv_max_rows and x.dim() == 2:
             return self._gemv.gemv(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         if self.onednn:

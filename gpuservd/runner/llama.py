@@ -81,7 +81,7 @@ class LlamaModel:
         return h.add_(lw.down(ops.silu_mul(lw.gate_up(x))))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.weights.embed.index_select(0, batch.input_ids)  # [T, D]
+        return self.weights.embed_tokens(batch.input_ids)  # [T, D]
 
     def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits [S, V] for the rows in batch.logits_indices."""

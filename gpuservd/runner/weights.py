@@ -73,22 +73,29 @@ class LayerGate:
 class ModelWeights:
     """Everything outside the layers, plus the layers (filled in the background by a layered load)."""
 
-    embed: torch.Tensor  # [V, D]
+    embed: torch.Tensor | None  # [V, D]; None when tied to a packed LM head (rows are read from it)
     final_norm: torch.Tensor  # [D]
     lm_head: Linear  # D -> V; shares embed's storage when tied
     layers: list[LayerWeights | None]
     gate: LayerGate | None = None  # set while layers stream in (load_strategy: layered)
     expected_nbytes: int = 0  # what all layers will take (known before a layered load ends)
+    tied: bool = False  # the LM head is the embedding (one tensor, counted once)
 
     def nbytes(self) -> int:
         """Bytes of the model's parameters in the compute dtype (a tied head counted once)."""
         if self.gate is not None and self.expected_nbytes:
             return self.expected_nbytes
-        head = 0 if self.lm_head.weight is self.embed else self.lm_head.nbytes
-        emb = self.embed.numel() * self.embed.element_size()
+        head = 0 if self.tied and self.embed is not None else self.lm_head.nbytes
+        emb = 0 if self.embed is None else self.embed.numel() * self.embed.element_size()
         return emb + head + self.final_norm.numel() * self.final_norm.element_size() + sum(
             lw.nbytes() for lw in self.layers if lw is not None
         )
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings [T, D] of token ids [T]."""
+        if self.embed is None:
+            return self.lm_head.rows(ids)
+        return self.embed.index_select(0, ids)
 
     def layer(self, i: int) -> LayerWeights:
         """Layer i, waiting for it when a layered load is still bringing it in."""
@@ -195,10 +202,13 @@ def load_weights(
         onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
     embed = _cast(reader.get("model.embed_tokens.weight"), dtype, device)
-    if reader.has("lm_head.weight") and not arch.tie_word_embeddings:
+    tied = not (reader.has("lm_head.weight") and not arch.tie_word_embeddings)
+    if not tied:
         lm_head = Linear(_cast(reader.get("lm_head.weight"), dtype, device), None, onednn)
     else:
         lm_head = Linear(embed, None, onednn)
+        if lm_head.packed is not None:
+            embed = None  # one copy: the packed head; embedding rows are read out of it
     final_norm = _cast(reader.get("model.norm.weight"), dtype, device)
     n = arch.num_layers
 
@@ -210,7 +220,7 @@ def load_weights(
         return lw
 
     if initial_layers is None or initial_layers >= n:
-        return ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)])
+        return ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)], tied=tied)
     layers: list[LayerWeights | None] = [None] * n
     gate = LayerGate(n)
     for i in range(max(0, initial_layers)):
@@ -225,6 +235,6 @@ def load_weights(
         except BaseException as exc:  # the runner raises it where it waits for the layer
             gate.fail(exc)
 
-    weights = ModelWeights(embed, final_norm, lm_head, layers, gate, expected_bytes(reader, dtype))
+    weights = ModelWeights(embed, final_norm, lm_head, layers, gate, expected_bytes(reader, dtype), tied=tied)
     threading.Thread(target=rest, name="layered-load", daemon=True).start()
     return weights
