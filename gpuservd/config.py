@@ -33,6 +33,9 @@ def parse_bytes(value, where: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+ISOLATIONS = ("thread", "process")  # engine.isolation: where the daemon runs each model's engine
+
+
 @dataclass
 class SchedulerConfig:
     """Batch formation limits; prefill and decode are limited separately (S9)."""
@@ -93,6 +96,8 @@ class EngineConfig:
     kv_cache_fraction: float = 0.4  # of device_memory_bytes minus weights
     max_model_len: int | None = None  # context limit; None = the model's (and its sliding window)
     telemetry_ring_size: int = 4096  # per-step records kept in memory
+    isolation: str = "thread"  # the daemon's: thread (an engine thread of its process) | process (an engine
+    # worker process per model: fault isolation, and what MPS confines); sharing.backend mps implies process
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
@@ -106,6 +111,8 @@ class EngineConfig:
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise UserError(f"engine.device must be cpu or cuda:N, got {self.device!r}")
         self.device_names()
+        if self.isolation not in ISOLATIONS:
+            raise UserError(f"engine.isolation must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise UserError(f"engine.block_size must be a power of two, got {self.block_size}")
         if not (0.0 < self.kv_cache_fraction <= 1.0):

@@ -66,6 +66,20 @@ class Failed:
 
 
 @dataclass
+class EngineGone:
+    """The engine's worker process exited under the request (engine.isolation: process); HTTP 503."""
+
+    request_id: str
+    model: str
+    reason: str  # e.g. "killed by signal 9 (SIGKILL)", "exit code 1"
+
+    @property
+    def message(self) -> str:
+        return (f"model {self.model}: its engine worker process exited ({self.reason}) and the request was "
+                "lost; retry it (the next request starts a fresh worker)")
+
+
+@dataclass
 class LoopSnapshot:
     """What the engine thread last saw; replaced whole after every iteration, read from any thread."""
 
@@ -91,6 +105,9 @@ class EngineHooks(Protocol):
 
 class EngineLoop:
     """One model's engine on its own thread."""
+
+    isolation = "thread"
+    pid = None  # a worker process's pid (worker/proxy.py); None: this process
 
     def __init__(self, model: str, build: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                  on_post: Callable[[list, list], None], hooks: EngineHooks | None = None,
@@ -159,6 +176,18 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def facts(self):
+        """The built engine's EngineFacts (after `ready`)."""
+        from gpuservd.engine_calls import EngineFacts
+
+        return EngineFacts.of(self.engine)
+
+    def recent_steps(self, n: int) -> list[dict]:
+        """The last n step records as `step` events (a replay for /admin/events?recent=n)."""
+        if self.engine is None:
+            return []
+        return [{"type": "step", **r.to_dict()} for r in self.engine.telemetry.recent(n)]
 
     def _put(self, cmd: tuple) -> None:
         with self._cond:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from gpuservd.api import protocol
 from gpuservd.api.protocol import GenerationRequest
-from gpuservd.engine_loop import Accepted, EngineLoop, Failed
+from gpuservd.engine_loop import Accepted, EngineGone, EngineLoop, Failed
 from gpuservd.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ class ModelSlot:
         self.created = time.time()  # when the load started (wall clock, for /v1/models)
         self.pinned = pinned
         self.error: str | None = None
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | None = None  # or a worker.proxy.WorkerLoop (engine.isolation: process)
+        self.worker_exit: dict | None = None  # how its engine worker process ended, when that failed it
         self.tokenizer = None  # the API's own copy: encoding never shares the engine thread's tokenizer
         self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"encode-{name}")
         self.max_model_len = 0
@@ -66,6 +67,11 @@ class ModelSlot:
         now = time.monotonic()
         recent = [t for t in self.finish_times if now - t < 10.0]
         return 5 if not recent else max(1, min(30, math.ceil(10.0 / len(recent))))
+
+
+def engine_gone(item: EngineGone):
+    """The 503 a request gets when its model's engine worker process exits under it."""
+    return protocol.unavailable(item.message, "model_worker_exited", 1)
 
 
 class RequestSink:
@@ -108,6 +114,10 @@ class ActiveRequest:
                     self.done = True
                     self.status = 500
                     raise protocol.internal_error(self.ctx.request_id)
+                if isinstance(item, EngineGone):
+                    self.done = True
+                    self.status = 503
+                    raise engine_gone(item)
                 if isinstance(item, Accepted):
                     continue
                 outs.append(item)

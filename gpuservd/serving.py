@@ -30,10 +30,10 @@ from gpuservd.api import protocol
 from gpuservd.api.protocol import APIError, GenerationRequest
 from gpuservd.api.status import DaemonStatus, ModelStatus
 from gpuservd.daemon_config import DaemonConfig
-from gpuservd.engine_loop import Accepted, EngineLoop, Failed, Submission
+from gpuservd.engine_loop import Accepted, EngineGone, EngineLoop, Failed, Submission
 from gpuservd.errors import UserError
 from gpuservd.events import EventBus
-from gpuservd.request_stream import ActiveRequest, ModelSlot, RequestContext
+from gpuservd.request_stream import ActiveRequest, ModelSlot, RequestContext, engine_gone
 from gpuservd.tenants import TenantMap
 
 log = logging.getLogger("gpuservd.serving")
@@ -93,10 +93,14 @@ class Serving:
     def set_tenants(self, tenants: TenantMap) -> None:
         """New tenants (reload): identity and queue limits at once, engine quotas between steps."""
         self.tenants = tenants
+        from functools import partial
+
+        from gpuservd.engine_calls import set_tenant_quotas
+
         quotas = tenants.quotas()
         for slot in self.slots.values():
-            if slot.loop is not None and slot.loop.engine is not None:
-                slot.loop.call(lambda engine: engine.set_tenant_quotas(quotas))
+            if slot.loop is not None and slot.loop.alive:
+                slot.loop.call(partial(set_tenant_quotas, quotas))
 
     def reject(self, reason: str) -> None:
         self.num_rejected_total += 1
@@ -113,7 +117,7 @@ class Serving:
         slot = self.slots.get(greq.model)
         if slot is None or slot.state == "failed":
             self.reject("model_not_found")
-            hint = f" ({greq.model} failed to load: {slot.error})" if slot else ""
+            hint = f" ({greq.model} {'failed' if slot.worker_exit else 'failed to load'}: {slot.error})" if slot else ""
             raise protocol.model_not_found(greq.model, self.model_names(), hint)
         if slot.state != "ready":
             self.reject(slot.state)
@@ -285,6 +289,8 @@ class Serving:
             slot.loop.submit(Submission(ctx.request_id, ids, params, active.sink, priority, tname, ctx.arrival))
             submitted = True
             first = await active.sink.queue.get()
+            if isinstance(first, EngineGone):
+                raise engine_gone(first)
             if isinstance(first, Failed):
                 if first.internal:
                     raise protocol.internal_error(ctx.request_id)
@@ -295,8 +301,8 @@ class Serving:
                 active.sink.queue.put_nowait(first)
             return active
         except BaseException as exc:
-            if submitted and not isinstance(exc, APIError):  # cancelled while queued: drop it from the engine
-                slot.loop.abort(ctx.request_id)
+            if submitted and not isinstance(exc, APIError) and slot.loop is not None:
+                slot.loop.abort(ctx.request_id)  # cancelled while queued: drop it from the engine
             active.done = True
             active.status = exc.status if isinstance(exc, APIError) else 500
             if isinstance(exc, APIError):
@@ -372,7 +378,6 @@ class Serving:
         except Exception as exc:
             self._load_failed(slot, exc)
             raise
-        from gpuservd.engine.engine import LLMEngine
         from gpuservd.engine.tokenizer import load_tokenizer
 
         cc = self.config.cache
@@ -385,13 +390,20 @@ class Serving:
                 "layer": i, "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
 
         sources = []
+        isolation = self.sharing.isolation(cfg.isolation)  # process: an engine worker process (mps: always)
         try:
-            handle = self.sharing.attach(name, slot.device)  # the plan is redone with it; its arbiter registration
+            if isolation == "process" and base is not None:
+                raise UserError(f"model {name} is a variant of {base}: it runs on {base}'s weights in the daemon's "
+                                "memory (M6), which an engine worker process cannot share; load it with "
+                                "engine.isolation: thread (and a sharing.backend other than mps)")
+            handle = self.sharing.attach(name, slot.device, isolation)  # the plan is redone with it; its arbiter
         except Exception as exc:
             self._load_failed(slot, exc)
             raise
 
         def build():
+            from gpuservd.worker.build import make_engine
+
             if cfg.device.startswith("cuda"):  # this thread's current device: streams and kernels go there
                 import torch
 
@@ -404,29 +416,36 @@ class Serving:
 
             slot.num_layers = load_arch(config_dir).num_layers
             initial = cc.initial_layers if cc.load_strategy == "layered" else None
-            engine = LLMEngine(name, config_dir, cfg, weight_source=source, initial_layers=initial, on_layer=on_layer)
-            engine.set_tenant_quotas(self.tenants.quotas())
+            engine = make_engine(name, config_dir, cfg, source, initial, on_layer, self.tenants.quotas())
             self.sharing.loaded(name, engine)  # its memory quota caps its KV pool (G3)
             return engine
 
-        loop = EngineLoop(name, build, aloop, self.on_post,
-                          self.metrics, self.config.server.admission_window_ms / 1000, arbiter=handle,
-                          on_exit=lambda: self.sharing.unbind(name))
+        loop = None
         try:
+            if isolation == "process":
+                loop = self._worker_loop(slot, cfg, model_dir, on_layer)
+            else:
+                loop = EngineLoop(name, build, aloop, self.on_post,
+                                  self.metrics, self.config.server.admission_window_ms / 1000, arbiter=handle,
+                                  on_exit=lambda: self.sharing.unbind(name))
             loop.start()
-            engine = await asyncio.wrap_future(loop.ready)
+            await asyncio.wrap_future(loop.ready)
+            facts = loop.facts()
+            if isolation == "process":
+                await self._worker_ready(slot, loop, facts)
             slot.tokenizer = await asyncio.to_thread(load_tokenizer, config_dir)
         except Exception as exc:
-            loop.stop()
+            if loop is not None:
+                await asyncio.to_thread(loop.stop)
             self._load_failed(slot, exc)
             raise
-        slot.max_model_len = engine.max_model_len
+        slot.max_model_len = facts.max_model_len
         if self.metrics is not None:
             self.metrics.add_model(name)
         slot.loop = loop
         slot.state = "ready"
         slot.loaded.set()
-        slot.weights_bytes = engine.runner.weights.nbytes()  # a variant's: its delta alone
+        slot.weights_bytes = facts.weights_bytes  # a variant's: its delta alone
         self.cache.device_loaded(name, slot.weights_bytes, pinned, base=base, device=slot.device)
         self._load_failed_at.pop(name, None)
         took = time.monotonic() - t0
@@ -435,15 +454,70 @@ class Serving:
             self.cache.bytes_loaded["delta"] = self.cache.bytes_loaded.get("delta", 0) + delta_read
             log.info("model %s is %s plus a %s delta: %d bytes read for the delta", name, base,
                      sources[0].spec.kind, delta_read)
-        log.info("model %s ready on %s in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)", name,
-                 slot.device, took, slot.source_tier, engine.pool.num_blocks, cfg.block_size, engine.max_model_len)
+        log.info("model %s ready on %s in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)%s", name,
+                 slot.device, took, slot.source_tier, facts.num_kv_blocks, cfg.block_size, facts.max_model_len,
+                 f" in engine worker process {loop.pid}" if loop.pid else "")
         self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "device": slot.device,
                           "phase": "ready", "load_s": took,
-                          "tier": slot.source_tier, "num_layers": slot.num_layers,
+                          "tier": slot.source_tier, "num_layers": slot.num_layers, "isolation": isolation,
+                          **({"worker_pid": loop.pid} if loop.pid else {}),
                           **({"base": base, "delta_bytes_read": delta_read} if base else {})})
+        if isolation == "process":
+            return slot  # the worker reads the store: a host copy in the daemon would serve nobody
         if cc.host_bytes and not base and self.cache.residency(name)["host"] == 0:
             asyncio.ensure_future(asyncio.to_thread(self._keep_host_copy, name, model_dir))
         return slot
+
+    def _worker_loop(self, slot: ModelSlot, cfg, model_dir, on_layer):
+        """A WorkerLoop for the slot's model: its engine in a worker process, with the environment the
+        partition backend gives it (MPS: its SM percentage and memory limit)."""
+        from gpuservd.runner.model_config import load_arch
+        from gpuservd.worker.build import WorkerSpec
+        from gpuservd.worker.proxy import WorkerLoop
+
+        env = self.sharing.worker_env(slot.name)
+        wcfg = copy.deepcopy(cfg)
+        if "CUDA_VISIBLE_DEVICES" in env:  # the worker sees its one GPU as device 0
+            wcfg.device = "cuda:0"
+        slot.num_layers = load_arch(model_dir).num_layers
+        cc, srv = self.config.cache, self.config.server
+        spec = WorkerSpec(slot.name, str(model_dir), str(model_dir), wcfg, cc.compression,
+                          cc.initial_layers if cc.load_strategy == "layered" else None, self.tenants.quotas(),
+                          srv.admission_window_ms / 1000, srv.log_level)
+        return WorkerLoop(slot.name, spec, asyncio.get_running_loop(), self.on_post, self.metrics, env, on_layer,
+                          self._worker_exited)
+
+    async def _worker_ready(self, slot: ModelSlot, loop, facts) -> None:
+        """A worker's engine is built: its memory quota caps its KV pool (G3), the store bytes it read count."""
+        from functools import partial
+
+        from gpuservd.engine_calls import set_kv_limit
+
+        self.sharing.worker_started(slot.name, loop.pid)
+        cap = self.sharing.pool_loaded(slot.name, facts.bytes_per_block, facts.num_kv_blocks,
+                                       lambda: loop.snapshot.kv_blocks_used)
+        if cap is not None:
+            await asyncio.wrap_future(loop.call(partial(set_kv_limit, cap)))
+        slot.source_tier = facts.source_tier
+        self.cache.bytes_loaded["disk"] += facts.bytes_read
+
+    def _worker_exited(self, loop, info: dict) -> None:
+        """On the event loop: a model's engine worker process exited unasked (its requests got 503s). The model
+        is failed with the reason; the next request for it (or a load) starts a fresh worker."""
+        slot = self.slots.get(loop.model)
+        if slot is None or slot.loop is not loop:
+            return  # it was unloaded or replaced meanwhile
+        slot.state = "failed"
+        slot.error = f"its engine worker process {info['pid']} exited ({info['reason']})"
+        slot.worker_exit = info
+        slot.loop = None
+        slot.loaded.set()
+        slot.encoder.shutdown(wait=False)
+        self.sharing.detach(slot.name)
+        self.cache.device_evicted(slot.name)
+        log.error("model %s failed: %s; %d requests failed", slot.name, slot.error, info["num_failed_requests"])
+        self.bus.publish({"type": "engine_worker_exit", "t": time.time(), "model": slot.name, "state": "failed",
+                          "device": slot.device or None, **info})
 
     def _load_failed(self, slot: ModelSlot, exc: BaseException) -> None:
         if slot.name in self.sharing.names:
@@ -602,19 +676,11 @@ class Serving:
         if copy_ is not None:
             self.cache.bytes_loaded["host"] += copy_.nbytes
             return copy_, "host"
-        from gpuservd.runner.weights import SafetensorsReader
+        from gpuservd.worker.build import store_source
 
-        reader = SafetensorsReader(model_dir)
-        if self.config.cache.compression == "int8":
-            from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
-
-            path = int8_path(model_dir)
-            if not path.exists():
-                write_int8(reader, model_dir)
-            self.cache.bytes_loaded["disk"] += path.stat().st_size
-            return Int8Reader(path), "disk-int8"
-        self.cache.bytes_loaded["disk"] += sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-        return reader, "disk"
+        source, tier, nbytes = store_source(model_dir, self.config.cache.compression)
+        self.cache.bytes_loaded["disk"] += nbytes
+        return source, tier
 
     def _keep_host_copy(self, name: str, model_dir) -> None:
         from gpuservd.runner.weights import SafetensorsReader
@@ -765,17 +831,16 @@ class Serving:
 
     async def requests(self) -> list[dict]:
         """The unfinished requests, with the engine's view of each (state, tokens, preemptions)."""
+        from gpuservd.engine_calls import request_views
+
         views: dict[str, dict] = {}
         for slot in list(self.slots.values()):
             if slot.loop is None or not slot.loop.alive:
                 continue
-
-            def inspect(engine):
-                return {rid: {"state": r.state.name.lower(), "num_output_tokens": len(r.output_token_ids),
-                              "num_preemptions": r.num_preemptions, "priority": r.priority}
-                        for rid, r in engine.requests.items()}
-
-            views.update(await asyncio.wrap_future(slot.loop.call(inspect)))
+            try:
+                views.update(await asyncio.wrap_future(slot.loop.call(request_views)))
+            except RuntimeError:  # its worker process exited meanwhile: its requests are failing
+                continue
         now = time.monotonic()
         out = []
         for rid, a in self.active.items():

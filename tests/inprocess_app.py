@@ -17,9 +17,9 @@ class Controller:
         return {}
 
 
-def run_in_app(check, config: dict, load=()) -> None:
-    """Build Serving and the app from a daemon config dict, load `load`, run `await check(client,
-    serving)`, and stop the engines."""
+def run_in_app(check, config: dict, load=(), prepare=None) -> None:
+    """Build Serving and the app from a daemon config dict, call `prepare(serving)` (a test's injections),
+    load `load`, run `await check(client, serving)`, and stop the engines."""
     from gpuservd.api.metrics import Metrics
     from gpuservd.api.server import build_app
     from gpuservd.daemon_config import daemon_config_from_dict
@@ -30,6 +30,8 @@ def run_in_app(check, config: dict, load=()) -> None:
         metrics = Metrics()
         serving = Serving(daemon_config_from_dict(config), TenantMap(), metrics)
         metrics.serving = serving
+        if prepare is not None:
+            prepare(serving)
         for name in load:
             await serving.load(name)
         serving.state = "serving"

@@ -467,9 +467,9 @@ def test_auto_falls_back_to_mps_then_none():
             raise RuntimeError("CUDA driver too old")
 
     b = choose_backend("auto", "cuda:0", green=adapter(NoGreen), mps=with_mps, cuda_check=cuda_ok)
-    assert isinstance(b, MpsBackend) and not b.enforced
-    assert b.status()["summary"] == ("SM partitions: not enforced (MPS control daemon found, available, "
-                                     "needs engine worker processes (not implemented))")
+    assert isinstance(b, MpsBackend) and b.enforced  # every model then runs in a worker process under MPS
+    assert b.status()["summary"] == ("SM partitions: MPS on cuda:0, one engine worker process per model "
+                                     "(no worker yet)")
     assert "too old" in b.status()["green_context"]
     b = choose_backend("auto", "cuda:0", green=adapter(NoGreen), mps=no_mps, cuda_check=cuda_ok)
     assert isinstance(b, NoPartitions)
@@ -505,7 +505,14 @@ def test_mps_worker_env():
     env = b.worker_env("chat", 40, 108, 25 * 2**30)
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=25600M"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
-    assert b.status()["worker_env"] == {"chat": env} and b.bind("chat", 40) is None
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"  # the worker sees its one GPU as device 0
+    assert b.bind("chat", 40) is None and b.env_of("chat") == env
+    b.worker_started("chat", 4242)
+    assert b.status()["workers"] == {"chat": {"pid": 4242, "env": env}}
+    assert b.status()["summary"] == "SM partitions: MPS on cuda:0, one engine worker process per model " \
+                                    "(chat 38% pid 4242)"
+    b.unbind("chat")
+    assert b.status()["workers"] == {} and b.env_of("chat") is None
 
 
 def test_detect_mps(tmp_path):

@@ -152,8 +152,7 @@ def routes(serving: Serving, controller) -> list[Route]:
             if types is None or "step" in types:
                 for slot in list(serving.slots.values()):
                     if slot.loop is not None:
-                        recs = slot.loop.engine.telemetry.recent(recent)
-                        replay.extend({"type": "step", **r.to_dict()} for r in recs)
+                        replay.extend(slot.loop.recent_steps(recent))
                 replay.sort(key=lambda e: e.get("t", 0))
 
         def encode(event: dict) -> bytes:

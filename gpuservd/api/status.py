@@ -31,6 +31,9 @@ class ModelStatus:
     sharing_class: str = "best_effort"  # latency_critical | best_effort (sharing.models, G4)
     sharing_group: str = ""  # its SM group; "device" when the whole device is time-sliced
     num_sms: int | None = None  # SMs of its partition (an enforcing backend only)
+    isolation: str = "thread"  # thread (an engine thread of the daemon) | process (an engine worker process)
+    worker_pid: int | None = None  # its engine worker process (isolation process; None while it starts)
+    worker_env: dict | None = None  # what the backend put in the worker's environment (MPS settings)
 
 
 @dataclass

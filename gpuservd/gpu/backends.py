@@ -11,10 +11,13 @@
   `bind` gives a model its own stream on its group's context and makes it current
   on the calling (engine) thread, so every kernel that engine launches runs on its
   group's SMs.
-- mps: a running MPS control daemon. MPS partitions processes, and engines are
-  threads of one process today: the backend reports "available, needs engine
-  worker processes (not implemented)", enforces nothing, and `worker_env` gives
-  the environment such a worker would get.
+- mps: a running MPS control daemon. MPS partitions processes, so under this
+  backend every model's engine runs in an engine worker process of its own
+  (worker/proxy.py), started with `worker_env(model, ...)`:
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE from its plan group's SMs and
+  CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from its memory quota, set before the
+  process creates its CUDA context. `worker_started(model, pid)` records the
+  worker for status; `bind` does nothing (there is no engine thread here).
 - none: nothing keeps models' kernels apart; the arbiter's time slices are all
   there is (config.py: every model is then in one group).
 `auto` takes the first of green_context, mps, none that works here. Asking for
@@ -56,7 +59,14 @@ class PartitionBackend(abc.ABC):
         return None
 
     def unbind(self, model: str) -> None:
-        """Called on the same thread as `bind`, when the model unloads."""
+        """Called on the same thread as `bind`, when the model unloads (for a worker process: when it leaves)."""
+
+    def worker_started(self, model: str, pid: int) -> None:
+        """`model`'s engine worker process runs as `pid` (engine.isolation: process)."""
+
+    def env_of(self, model: str) -> dict[str, str] | None:
+        """What this backend put in `model`'s worker environment (None: nothing)."""
+        return None
 
     def close(self) -> None:
         """Forget every binding (at shutdown)."""
@@ -176,41 +186,63 @@ class GreenContextBackend(PartitionBackend):
 
 
 class MpsBackend(PartitionBackend):
+    """MPS: one engine worker process per model, each started with its SM percentage and memory limit.
+
+    `enforced` is True: every model runs in a worker process under this backend (sharing/manager.py), and
+    MPS holds each such process to its percentage of the SMs. How many SMs MPS really grants comes in its
+    own granule (see active_thread_percentage); gpu_check measures it."""
+
     name = "mps"
-    enforced = False  # until engines run in worker processes
+    enforced = True
 
-    NOT_YET = "available, needs engine worker processes (not implemented)"
-
-    def __init__(self, daemon: MpsDaemon, device_index: int, green_reason: str = ""):
+    def __init__(self, daemon: MpsDaemon, device_index: int | None, green_reason: str = ""):
         self.daemon = daemon
         self.device_index = device_index
         self.green_reason = green_reason  # why green contexts were not taken (auto), "" if asked for mps
         self._lock = threading.Lock()
-        self._plan: dict[str, dict] = {}  # model -> the environment its worker would get
+        self._env: dict[str, dict[str, str]] = {}  # model -> what its worker's environment adds
+        self._pids: dict[str, int] = {}  # model -> its worker process
 
     def worker_env(self, model: str, num_sms: int, num_sms_total: int, quota_bytes: int | None) -> dict[str, str]:
-        """The environment of `model`'s engine worker process (device 0 of its own CUDA_VISIBLE_DEVICES)."""
+        """The environment `model`'s engine worker process gets: the MPS settings, and the one GPU it sees
+        (CUDA_VISIBLE_DEVICES, so the limits name device 0)."""
         pipe = self.daemon.pipe_directory if self.daemon.found else None
         env = worker_env(num_sms, num_sms_total, quota_bytes, device_index=0, pipe_directory=pipe)
+        if self.device_index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.device_index)
         with self._lock:
-            self._plan[model] = env
+            self._env[model] = env
         return env
 
+    def worker_started(self, model: str, pid: int) -> None:
+        with self._lock:
+            self._pids[model] = pid
+
+    def env_of(self, model: str) -> dict[str, str] | None:
+        with self._lock:
+            return dict(self._env[model]) if model in self._env else None
+
     def bind(self, model: str, num_sms: int, group: str | None = None):
-        return None  # a thread of this process cannot be confined by MPS
+        return None  # the model's worker process was started with its settings; there is no thread here to bind
 
     def unbind(self, model: str) -> None:
         with self._lock:
-            self._plan.pop(model, None)
+            self._env.pop(model, None)
+            self._pids.pop(model, None)
 
     def summary(self) -> str:
-        return f"SM partitions: not enforced (MPS control daemon found, {self.NOT_YET})"
+        with self._lock:
+            parts = [f"{m} {e['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% pid {self._pids.get(m, 'starting')}"
+                     for m, e in sorted(self._env.items())]
+        where = f"cuda:{self.device_index}" if self.device_index is not None else "the device"
+        return (f"SM partitions: MPS on {where}, one engine worker process per model "
+                f"({', '.join(parts) if parts else 'no worker yet'})")
 
     def status(self) -> dict:
         with self._lock:
-            plan = dict(self._plan)
-        out = {**super().status(), "mps": self.NOT_YET, "pipe_directory": self.daemon.pipe_directory,
-               "found_by": self.daemon.how, "worker_env": plan}
+            workers = {m: {"pid": self._pids.get(m), "env": dict(e)} for m, e in self._env.items()}
+        out = {**super().status(), "pipe_directory": self.daemon.pipe_directory, "found_by": self.daemon.how,
+               "workers": workers}
         if self.green_reason:
             out["green_context"] = self.green_reason
         return out

@@ -2,9 +2,10 @@
 
 MPS partitions SMs between processes (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and caps
 each one's device memory (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT). It only acts on
-separate client processes, and the daemon runs every engine on a thread of its one
-process today; so this backend says what each worker's environment would be and
-enforces nothing until engine worker processes exist.
+separate client processes, and reads both variables when the process creates its
+CUDA context: so under the mps backend every model's engine runs in a worker
+process of its own (gpuservd/worker/), started with `worker_env(...)` in its
+environment (gpu/backends.py MpsBackend.worker_env adds the one GPU it sees).
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ One SharingManager per daemon holds what the other pieces compute:
   - the device readings (gpu/readings.py), sampled once a second for status
     and the hint rules.
 
+Engine threads and worker processes (`engine.isolation`): under the mps
+backend every model runs in an engine worker process whose environment carries
+its SM percentage and memory limit (`worker_env`), the only way MPS confines
+anything. A model in a worker process is not registered with the arbiter (its
+time slices and throttle pace engine threads of this process); status says so
+per model (`arbiter.not_time_sliced`). Its memory quota still caps its KV pool:
+the cap is sent to the worker (engine_calls.set_kv_limit).
+
 Groups: with an enforcing backend each SM group is a partition of its own and
 the models in it take turns; without one nothing keeps partitions apart, so
 every model is in one group, `device`, and the whole device is time-sliced.
@@ -74,7 +82,8 @@ class SharingManager:
         self.plan = None
         self.plan_error: str | None = None
         self.names: list[str] = []
-        self.engines: dict = {}  # model -> LLMEngine (for quota usage)
+        self.pools: dict[str, tuple[int, int, object]] = {}  # model -> (bytes per KV block, blocks, () -> used)
+        self.isolated: dict[str, int | None] = {}  # models in worker processes -> the worker's pid (None: starting)
         self.kv_caps: dict[str, int | None] = {}  # model -> KV blocks its quota allows (None = the whole pool)
         self.reader = reader if reader is not None else DeviceReader(dev)
         self.readings: dict | None = None
@@ -145,13 +154,20 @@ class SharingManager:
         log.info("SM partitions: %s", made)
         return made
 
-    def attach(self, name: str, device: str | None = None):
+    def isolation(self, configured: str) -> str:
+        """Where a model's engine runs: `process` under the mps backend (MPS confines processes only),
+        else engine.isolation."""
+        return "process" if self.backend.name == "mps" else configured
+
+    def attach(self, name: str, device: str | None = None, isolation: str = "thread"):
         """Register a model that is about to load (on `device`); returns its arbiter handle (None without
-        an arbiter)."""
+        an arbiter, and for a model in a worker process: the arbiter paces engine threads only)."""
         if device:
             self.device_of[name] = device
+        if isolation == "process":
+            self.isolated[name] = None
         self.replan(self.names + [name])
-        if self.arbiter is None:
+        if self.arbiter is None or isolation == "process":
             return None
         sc = self.config.sharing
         spec = sc.model(name)
@@ -171,31 +187,59 @@ class SharingManager:
         """On the model's engine thread as it ends."""
         self.backend.unbind(name)
 
+    def worker_env(self, name: str) -> dict[str, str]:
+        """The environment `name`'s worker process adds to the daemon's: under the mps backend its SM
+        percentage (from its plan group), memory limit (its quota) and the control daemon's pipe; {} else."""
+        from gpuservd.gpu.backends import MpsBackend
+
+        if not isinstance(self.backend, MpsBackend):
+            return {}
+        group = self.plan.group_of(name) if self.plan is not None else None
+        quota = self.plan.quotas.get(name) if self.plan is not None else None
+        total = self.hardware.num_sms if self.hardware is not None else None
+        if group is None or not total:
+            why = self.plan_error or "no SM plan for it (sharing.hardware names no GPU)"
+            raise UserError(f"model {name}: no MPS settings for its worker process: {why}")
+        return self.backend.worker_env(name, group.num_sms, total, quota.quota if quota is not None else None)
+
+    def worker_started(self, name: str, pid: int) -> None:
+        self.isolated[name] = pid
+        self.backend.worker_started(name, pid)
+
     def loaded(self, name: str, engine) -> None:
         """The engine is built (on its thread): apply the model's memory quota to its KV pool."""
-        self.engines[name] = engine
-        self.kv_caps[name] = cap = self.kv_cap(name, engine)
-        engine.pool.set_limit(cap)
+        pool = engine.pool
+        cap = self.pool_loaded(name, engine.runner.cache.shape.bytes_per_block, pool.num_blocks, lambda: pool.num_used)
+        pool.set_limit(cap)
+
+    def pool_loaded(self, name: str, bytes_per_block: int, num_blocks: int, used) -> int | None:
+        """A model's KV pool (`used()` -> blocks in use now); returns the cap its memory quota sets (None: no cap),
+        which the caller applies in the engine (an engine thread directly, a worker through set_kv_limit)."""
+        self.pools[name] = (bytes_per_block, num_blocks, used)
+        self.kv_caps[name] = cap = self.kv_cap(name)
         if cap is not None:
-            log.info("model %s: memory quota allows %d of its %d KV blocks", name, cap, engine.pool.num_blocks)
+            log.info("model %s: memory quota allows %d of its %d KV blocks", name, cap, num_blocks)
+        return cap
 
     def detach(self, name: str) -> None:
         self.device_of.pop(name, None)
-        self.engines.pop(name, None)
+        self.pools.pop(name, None)
         self.kv_caps.pop(name, None)
+        if self.isolated.pop(name, 0) != 0:
+            self.backend.unbind(name)  # a worker's MPS settings go with it
         if self.arbiter is not None:
             self.arbiter.unregister(name)
         self.replan([n for n in self.names if n != name])
 
-    def kv_cap(self, name: str, engine) -> int | None:
+    def kv_cap(self, name: str) -> int | None:
         """KV blocks the quota leaves after weights, activations and overhead; None when it is no limit."""
         q = self.plan.quotas.get(name) if self.plan is not None else None
-        if q is None:
+        if q is None or name not in self.pools:
             return None
+        per_block, num_blocks, _ = self.pools[name]
         other = sum(x or 0 for x in (q.weights, q.activations, q.overhead))
-        per_block = engine.runner.cache.shape.bytes_per_block
         blocks = max(1, (q.quota - other) // per_block)
-        return int(blocks) if blocks < engine.pool.num_blocks else None
+        return int(blocks) if blocks < num_blocks else None
 
     def reconfigure(self, sharing, call_on_engine) -> list[str]:
         """A reload: new shares, classes, targets, quantum, throttle and quotas apply now (quotas between
@@ -207,8 +251,13 @@ class SharingManager:
             setattr(sharing, k, getattr(old, k))  # these keep their running values until a restart
         self.config.sharing = sharing
         self.replan(self.names)
-        for name in list(self.engines):
-            call_on_engine(name, lambda engine, n=name: self.loaded(n, engine))
+        from functools import partial
+
+        from gpuservd.engine_calls import set_kv_limit
+
+        for name in list(self.pools):
+            self.kv_caps[name] = cap = self.kv_cap(name)
+            call_on_engine(name, partial(set_kv_limit, cap))
         return [r if r.startswith("sharing.") else f"sharing.{r}" for r in restart]
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -234,17 +283,21 @@ class SharingManager:
                       "warnings": p["warnings"] if p else [], "error": self.plan_error}
         quotas = {}
         for name, q in ((p or {}).get("quotas") or {}).items():
-            engine = self.engines.get(name)
+            pool = self.pools.get(name)
             row = dict(q)
-            if engine is not None:
-                per_block = engine.runner.cache.shape.bytes_per_block
-                row["kv_used_bytes"] = engine.pool.num_used * per_block
+            if pool is not None:
+                per_block, _, used = pool
+                row["kv_used_bytes"] = used() * per_block
                 row["kv_cap_blocks"] = self.kv_caps.get(name)
                 row["used_bytes"] = sum(x or 0 for x in (q["weights"], q["activations"], q["overhead"])) \
                     + row["kv_used_bytes"]
             quotas[name] = row
         arbiter = self.arbiter.status() if self.arbiter is not None else {
             "enabled": False, "reason": "sharing.enabled is false: models step whenever they have work"}
+        if self.arbiter is not None and self.isolated:
+            arbiter = {**arbiter, "not_time_sliced": {
+                n: "runs in an engine worker process: the arbiter paces engine threads of the daemon only"
+                for n in sorted(self.isolated)}}
         return {"backend": summary, "partitions": partitions, "quotas": quotas, "arbiter": arbiter}
 
     def model_fields(self, name: str) -> dict:
@@ -254,7 +307,9 @@ class SharingManager:
             g = self.plan.group_of(name)
             group = {"name": self.group_of(name), "num_sms": g.num_sms}
         return {"sharing_class": spec.sharing_class.value, "sharing_group": group["name"] if group else
-                self.group_of(name), "num_sms": group["num_sms"] if group and self.backend.enforced else None}
+                self.group_of(name), "num_sms": group["num_sms"] if group and self.backend.enforced else None,
+                "isolation": "process" if name in self.isolated else "thread", "worker_pid": self.isolated.get(name),
+                "worker_env": self.backend.env_of(name)}
 
     def close(self) -> None:
         self.backend.close()

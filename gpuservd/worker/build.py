@@ -1,0 +1,63 @@
+"""Building one model's engine: the store's weight tiers and the engine itself.
+
+Shared by both ways the daemon hosts an engine: an engine thread of its own
+process (serving.py builds there, with the weight cache's in-memory tiers in
+front) and an engine worker process (worker/__main__.py builds from a
+`WorkerSpec`, reading the store: its process cannot see the daemon's memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuservd.config import EngineConfig
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker process needs to build and run one model's engine (sent pickled at start)."""
+
+    model: str
+    model_dir: str  # the store directory with its weights
+    config_dir: str  # its config.json and tokenizer (the same directory for a full model)
+    engine: EngineConfig  # its engine settings (device as the worker sees it)
+    compression: str = "none"  # cache.compression: int8 reads (and first writes) the store's INT8 file
+    initial_layers: int | None = None  # layered loading (M5): serve after these many layers
+    tenant_quotas: Any = None  # name -> TenantQuota
+    admission_window_s: float = 0.0  # server.admission_window_ms, in seconds
+    log_level: str = "info"
+
+
+def store_source(model_dir: Path, compression: str) -> tuple[Any, str, int]:
+    """(tensor source, tier name, bytes it reads) from the store: the INT8 file under compression int8
+    (written on first use), else the safetensors files."""
+    from gpuservd.runner.weights import SafetensorsReader
+
+    model_dir = Path(model_dir)
+    reader = SafetensorsReader(model_dir)
+    if compression == "int8":
+        from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+
+        path = int8_path(model_dir)
+        if not path.exists():
+            write_int8(reader, model_dir)
+        return Int8Reader(path), "disk-int8", path.stat().st_size
+    return reader, "disk", sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def make_engine(name: str, config_dir: Path, cfg: EngineConfig, source, initial_layers: int | None,
+                on_layer, tenant_quotas):
+    """The engine over `source`, with its tenants' quotas (on the thread that will step it)."""
+    from gpuservd.engine.engine import LLMEngine
+
+    if cfg.device.startswith("cuda"):  # this thread's current device: streams and kernels go there
+        import torch
+
+        torch.cuda.set_device(torch.device(cfg.device))
+    engine = LLMEngine(name, Path(config_dir), cfg, weight_source=source, initial_layers=initial_layers,
+                       on_layer=on_layer)
+    if tenant_quotas is not None:
+        engine.set_tenant_quotas(tenant_quotas)
+    return engine

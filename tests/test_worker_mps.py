@@ -1,0 +1,107 @@
+"""Engine worker processes in-process (Serving without a socket): under the mps backend each model's worker
+starts with its MPS settings in its real environment (/proc/<pid>/environ), computed from its plan; what
+cannot cross a process boundary is refused with a clear error; the config names the choices.
+
+MPS detection is injected (there is no GPU here): these tests check the environment the workers get and
+the status that reports it, never that SMs were partitioned.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpuservd.daemon_config import daemon_config_from_dict
+from gpuservd.errors import UserError
+from inprocess_app import run_in_app
+
+BODY = {"prompt": "the capital", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+ENGINE = {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1}
+
+
+@pytest.fixture()
+def two_models(store_home, tiny_model_dir):
+    from gpuservd.store.store import ModelStore
+
+    ModelStore().import_dir(tiny_model_dir, "tiny2")
+    return store_home
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_mps_workers_start_with_their_plans_sm_percentage_and_memory_limit(two_models, tmp_path):
+    from gpuservd.gpu.backends import choose_backend
+    from gpuservd.gpu.mps import MpsDaemon
+
+    pipe = str(tmp_path / "mps-pipe")
+
+    def inject(serving):  # an MPS control daemon "found", and CUDA "usable": injected, not real
+        serving.sharing.backend = choose_backend("mps", "cpu", mps=lambda: MpsDaemon(True, pipe, "injected by a test"),
+                                                 cuda_check=lambda device: None)
+
+    async def check(client, serving):
+        r = await client.post("/v1/completions", json={**BODY, "model": "tiny2"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        st = (await client.get("/admin/status")).json()
+        models = {m["name"]: m for m in st["models"]}
+        groups = {g["name"]: g for g in st["partitions"]["groups"]}
+        assert st["partitions"]["backend"] == "mps" and st["partitions"]["hardware"]["num_sms"] == 108
+        pids = set()
+        for name, share in (("tiny", 0.6), ("tiny2", 0.4)):
+            m = models[name]
+            assert m["isolation"] == "process" and m["state"] == "ready"
+            num_sms = groups[name]["num_sms"]
+            assert m["num_sms"] == num_sms and num_sms >= share * 108 - 8  # the plan's group (G1)
+            env = environ(m["worker_pid"])
+            quota = st["quotas"][name]["quota"]
+            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(math.ceil(100 * num_sms / 108 - 1e-9))
+            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={math.ceil(quota / 2**20)}M"
+            assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+            assert "NOTIFY_SOCKET" not in env  # the daemon's systemd socket stays with the daemon
+            assert m["worker_env"] == {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
+            pids.add(m["worker_pid"])
+        assert len(pids) == 2
+        summary = st["partitions"]["summary"]
+        assert summary.startswith("SM partitions: MPS on the device, one engine worker process per model (")
+        assert f"tiny {models['tiny']['worker_env']['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% pid " \
+               f"{models['tiny']['worker_pid']}" in summary
+        assert st["sharing"]["workers"]["tiny2"]["pid"] == models["tiny2"]["worker_pid"]
+        # what cannot cross the process boundary is refused, not approximated
+        loop = serving.slots["tiny"].loop
+        with pytest.raises(TypeError, match="engine worker process .*module-level function"):
+            loop.call(lambda engine: engine.requests).result(5)
+        with pytest.raises(UserError, match="arbiter's time slices pace engine threads of the daemon only"):
+            loop.set_arbiter(object())
+        await serving.unload("tiny2")
+        st = (await client.get("/admin/status")).json()
+        assert "tiny2" not in st["sharing"]["workers"] and "tiny2" not in st["partitions"]["summary"]
+
+    run_in_app(check, {"engine": ENGINE, "server": {"models": ["tiny", "tiny2"]},
+                       "sharing": {"hardware": "a100", "models": {"tiny": {"share": 0.6}, "tiny2": {"share": 0.4}}}},
+               load=["tiny", "tiny2"], prepare=inject)
+
+
+def test_a_variant_is_refused_in_a_worker_process(store_home):
+    from test_variants import derive
+
+    derive(store_home, "tiny-lora")
+
+    async def check(client, serving):
+        r = await client.post("/admin/models/tiny-lora/load")
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "tiny-lora is a variant of tiny" in msg and "engine.isolation: thread" in msg
+        assert serving.slots["tiny-lora"].state == "failed" and "tiny-lora" not in serving.sharing.isolated
+
+    run_in_app(check, {"engine": {**ENGINE, "isolation": "process"}, "server": {"models": []}})
+
+
+def test_isolation_setting_names_its_choices():
+    assert daemon_config_from_dict({"engine": {"isolation": "process"}}).engine.isolation == "process"
+    assert daemon_config_from_dict({}).engine.isolation == "thread"
+    with pytest.raises(UserError, match="engine.isolation must be one of thread, process, got 'fork'"):
+        daemon_config_from_dict({"engine": {"isolation": "fork"}})
