@@ -41,6 +41,10 @@ def test_packed_linear_matches_torch(pk, out_f, in_f, rows, bias):
     assert y.shape == (rows, out_f) and y.dtype == torch.bfloat16
     # One bf16 rounding of an fp32-accumulated result (plus fp32 summation-order noise).
     torch.testing.assert_close(y.float(), _ref(x, w, b), atol=1e-3 * in_f ** 0.5, rtol=8e-3)
+    # fp32 out: the accumulators themselves, no rounding (products of bf16 are exact in fp32).
+    yf = pk.packed_linear(x, pack_pairs(w), out_f, b, True)
+    assert yf.dtype == torch.float32
+    torch.testing.assert_close(yf, _ref(x, w, b), atol=1e-5 * in_f ** 0.5, rtol=1e-5)
 
 
 def test_padding_never_multiplies_garbage(pk):

@@ -139,6 +139,14 @@ class Linear:
         panels = self.packed.view(p, k2, PANEL, 2)[ids // PANEL, :, ids % PANEL]  # [T, k2, 2]
         return panels.reshape(ids.shape[0], 2 * k2)[:, : self.in_features].contiguous()
 
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """y in fp32, for the LM head's logits: the packed kernel returns its fp32 accumulators
+        unrounded (a bf16 rounding of SmolLM2's logits turned a 0.08 lead into an exact tie)."""
+        if self.packed is not None and x.dim() == 2:
+            return self._ops.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), self.packed,
+                                           self.out_features, self.bias, True)
+        return self(x).float()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.packed is not None:

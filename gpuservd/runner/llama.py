@@ -86,7 +86,7 @@ class LlamaModel:
     def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits [S, V] for the rows in batch.logits_indices."""
         x = rms_norm(h.index_select(0, batch.logits_indices), self.weights.final_norm, self.arch.rms_norm_eps)
-        return self.weights.lm_head(x).float()
+        return self.weights.lm_head.fp32(x)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_layers, suspend=None, resume: "LayerCheckpoint | None" = None):

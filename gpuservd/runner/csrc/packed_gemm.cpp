@@ -66,9 +66,10 @@ bool packed_available() {
 
 #if GPUSERV_PACKED
 // MR rows of x against NV panels over all K2 pairs. x rows: int32 pairs at xp + m * ldx2.
+// Output: bf16 at y, or (y == nullptr) fp32 at yf, both with row stride ldy.
 template <int MR, int NV>
 inline void micro(const int32_t* __restrict xp, int64_t ldx2, const __m512i* __restrict wp, int64_t K2,
-                  const uint16_t* bias, uint16_t* __restrict y, int64_t ldy, int64_t ncols,
+                  const uint16_t* bias, uint16_t* __restrict y, float* __restrict yf, int64_t ldy, int64_t ncols,
                   const __m512i* pf, int64_t pf_lines) {
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
@@ -96,15 +97,16 @@ inline void micro(const int32_t* __restrict xp, int64_t ldx2, const __m512i* __r
       b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
     for (int m = 0; m < MR; ++m) {
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b));
-      _mm256_mask_storeu_epi16(y + m * ldy + v * kPanel, mask, (__m256i)out);
+      const __m512 r = _mm512_add_ps(acc[m][v], b);
+      if (y) _mm256_mask_storeu_epi16(y + m * ldy + v * kPanel, mask, (__m256i)_mm512_cvtneps_pbh(r));
+      else _mm512_mask_storeu_ps(yf + m * ldy + v * kPanel, mask, r);
     }
   }
 }
 
 template <int NV>
 void rows_nv(int64_t rows, const int32_t* xp, int64_t ldx2, const __m512i* wp, int64_t K2, const uint16_t* bias,
-             uint16_t* y, int64_t ldy, int64_t ncols, const __m512i* pf, int64_t pf_lines) {
+             uint16_t* y, float* yf, int64_t ldy, int64_t ncols, const __m512i* pf, int64_t pf_lines) {
   // Blocks of 8 rows (24 accumulators at NV = 3); the tail by its exact size. The next group's
   // W (pf_lines lines) is prefetched in equal shares by the row blocks.
   const int64_t blocks = (rows + 7) / 8;
@@ -112,54 +114,61 @@ void rows_nv(int64_t rows, const int32_t* xp, int64_t ldx2, const __m512i* wp, i
   int64_t m = 0, b = 0;
   auto next_pf = [&]() -> const __m512i* { return pf ? pf + std::min(pf_lines, b * share) : nullptr; };
   auto lines = [&]() { return pf ? std::max<int64_t>(0, std::min(share, pf_lines - b * share)) : 0; };
+  auto row = [&](int64_t i) { return y ? y + i * ldy : nullptr; };
+  auto rowf = [&](int64_t i) { return y ? nullptr : yf + i * ldy; };
   for (; m + 8 <= rows; m += 8, ++b)
-    micro<8, NV>(xp + m * ldx2, ldx2, wp, K2, bias, y + m * ldy, ldy, ncols, next_pf(), lines());
+    micro<8, NV>(xp + m * ldx2, ldx2, wp, K2, bias, row(m), rowf(m), ldy, ncols, next_pf(), lines());
   const int64_t t = rows - m;
   xp += m * ldx2;
-  y += m * ldy;
+  uint16_t* yt = row(m);
+  float* yft = rowf(m);
   const __m512i* p = next_pf();
   const int64_t n = lines();
   switch (t) {
     case 0: break;
-    case 1: micro<1, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
-    case 2: micro<2, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
-    case 3: micro<3, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
-    case 4: micro<4, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
-    case 5: micro<5, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
-    case 6: micro<6, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
-    default: micro<7, NV>(xp, ldx2, wp, K2, bias, y, ldy, ncols, p, n); break;
+    case 1: micro<1, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
+    case 2: micro<2, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
+    case 3: micro<3, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
+    case 4: micro<4, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
+    case 5: micro<5, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
+    case 6: micro<6, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
+    default: micro<7, NV>(xp, ldx2, wp, K2, bias, yt, yft, ldy, ncols, p, n); break;
   }
 }
 
 // Panels [p0, p1) against all rows of x, in chunks of kMc rows.
 void panels(int64_t p0, int64_t p1, int64_t M, const int32_t* xp, int64_t ldx2, const __m512i* w, int64_t K2,
-            const uint16_t* bias, uint16_t* y, int64_t N) {
+            const uint16_t* bias, uint16_t* y, float* yf, int64_t N) {
   constexpr int64_t NV = 3;
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t rows = std::min(kMc, M - m0);
     const int32_t* xc = xp + m0 * ldx2;
-    uint16_t* yc = y + m0 * N;
+    uint16_t* yc = y ? y + m0 * N : nullptr;
+    float* yfc = y ? nullptr : yf + m0 * N;
     for (int64_t p = p0; p < p1; p += NV) {
       const int64_t nv = std::min(NV, p1 - p);
       const int64_t ncols = std::min(N - p * kPanel, nv * kPanel);
       const __m512i* wp = w + p * K2;
       const uint16_t* bp = bias ? bias + p * kPanel : nullptr;
-      uint16_t* yp = yc + p * kPanel;
+      uint16_t* yp = yc ? yc + p * kPanel : nullptr;
+      float* yfp = yc ? nullptr : yfc + p * kPanel;
       // Prefetch the next group of this range (only on the chunk's first pass, when W comes from DRAM).
       const int64_t next = std::min(NV, p1 - (p + NV));
       const __m512i* pf = (m0 == 0 && next > 0) ? w + (p + NV) * K2 : nullptr;
       const int64_t pf_lines = pf ? next * K2 : 0;
-      if (nv == 3) rows_nv<3>(rows, xc, ldx2, wp, K2, bp, yp, N, ncols, pf, pf_lines);
-      else if (nv == 2) rows_nv<2>(rows, xc, ldx2, wp, K2, bp, yp, N, ncols, pf, pf_lines);
-      else rows_nv<1>(rows, xc, ldx2, wp, K2, bp, yp, N, ncols, pf, pf_lines);
+      if (nv == 3) rows_nv<3>(rows, xc, ldx2, wp, K2, bp, yp, yfp, N, ncols, pf, pf_lines);
+      else if (nv == 2) rows_nv<2>(rows, xc, ldx2, wp, K2, bp, yp, yfp, N, ncols, pf, pf_lines);
+      else rows_nv<1>(rows, xc, ldx2, wp, K2, bp, yp, yfp, N, ncols, pf, pf_lines);
     }
   }
 }
 #endif
 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in the pair-panel layout, [ceil(N/16), ceil(K/2), 32].
+// fp32_out: y in fp32, the accumulators unrounded (the LM head: logits without a bf16 rounding,
+// which turned near-ties between tokens into exact ties).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const std::optional<at::Tensor>& bias) {
+                         const std::optional<at::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(packed_available(), "packed_linear: this CPU or build has no AVX512_BF16");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
@@ -175,7 +184,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N &&
                     bias->scalar_type() == at::kBFloat16,
                 "packed_linear: bias must be a contiguous bf16 [", N, "]");
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
 #if GPUSERV_PACKED
   // x's rows as int32 pairs: an odd width (or an odd row stride) is copied to an even one, zero padded.
@@ -188,12 +197,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t ldx2 = xe.stride(0) / 2;
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr());
   const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
+  float* yfp = fp32_out ? y.data_ptr<float>() : nullptr;
   const int64_t wbytes = P * K2 * 64;
   // Whole groups of 3 panels per thread, so only the last range has a short group.
   const int64_t groups = (P + 2) / 3;
   at::parallel_for(0, groups, wbytes < kParallelBytes ? groups : 1, [&](int64_t g0, int64_t g1) {
-    panels(g0 * 3, std::min(P, g1 * 3), M, xp, ldx2, wp, K2, bp, yp, N);
+    panels(g0 * 3, std::min(P, g1 * 3), M, xp, ldx2, wp, K2, bp, yp, yfp, N);
   });
 #endif
   return y;
@@ -202,7 +212,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpuserv, m) {
-  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.def("packed_available() -> bool", &packed_available);
 }
 
