@@ -15,6 +15,11 @@ The engine is also *built* on this thread (`ready` resolves when it is): with
 torch's OpenMP pool, an engine built on one thread and stepped on another ran
 30-40% slower on a 2-core CPU (measured on SmolLM2); built and stepped on the
 same thread it runs as fast as in-process.
+
+The same loop runs inside an engine worker process (`engine.isolation:
+process`, gpuservd/worker/): there `loop` is the worker's Poster, which sends
+each iteration's deliveries, events, hook calls and snapshot to the daemon,
+where worker/proxy.py's WorkerLoop stands in for this class.
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ class WorkerLoop:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            log.warning("model %s: engine worker %d did not stop in %.0f s; SIGTERM", self.model, self.proc.pid, timeout)
+            log.warning("model %s: engine worker %d did not stop in %.0f s; SIGTERM", self.model, self.proc.pid,
+                        timeout)
             self.proc.terminate()
             try:
                 self.proc.wait(KILL_AFTER_S)

@@ -1,6 +1,7 @@
-"""Engine worker processes in-process (Serving without a socket): under the mps backend each model's worker
-starts with its MPS settings in its real environment (/proc/<pid>/environ), computed from its plan; what
-cannot cross a process boundary is refused with a clear error; the config names the choices.
+"""Engine worker processes without the daemon's socket (Serving in-process, or a WorkerLoop alone): under the
+mps backend each model's worker starts with its MPS settings in its real environment (/proc/<pid>/environ),
+computed from its plan; what cannot cross a process boundary is refused with a clear error; a worker that
+will not stop gets SIGTERM, then SIGKILL, and is reaped; the config names the choices.
 
 MPS detection is injected (there is no GPU here): these tests check the environment the workers get and
 the status that reports it, never that SMs were partitioned.
@@ -105,3 +106,41 @@ def test_isolation_setting_names_its_choices():
     assert daemon_config_from_dict({}).engine.isolation == "thread"
     with pytest.raises(UserError, match="engine.isolation must be one of thread, process, got 'fork'"):
         daemon_config_from_dict({"engine": {"isolation": "fork"}})
+
+
+def test_a_worker_that_does_not_stop_gets_sigterm_then_sigkill(store_home, monkeypatch):
+    """stop(): the stop message, then SIGTERM, then SIGKILL; the process is reaped either way. A stopped
+    (SIGSTOP) worker reads no message and SIGTERM stays pending on it, so only SIGKILL ends it."""
+    import asyncio
+    import os
+    import signal
+
+    from gpuservd.config import EngineConfig
+    from gpuservd.engine_calls import request_views
+    from gpuservd.store.store import ModelStore
+    from gpuservd.worker import proxy
+    from gpuservd.worker.build import WorkerSpec
+    from gpuservd.worker.proxy import WorkerLoop
+
+    monkeypatch.setattr(proxy, "KILL_AFTER_S", 0.5)
+    path = str(ModelStore().path("tiny"))
+    spec = WorkerSpec("tiny", path, path, EngineConfig(kv_cache_bytes=4 * 2**20, block_size=4, num_threads=1))
+    died = []
+
+    async def main():
+        loop = WorkerLoop("tiny", spec, asyncio.get_running_loop(), lambda d, e: None,
+                          on_death=lambda lp, info: died.append(info))
+        loop.start()
+        facts = await asyncio.wrap_future(loop.ready)
+        assert facts.num_kv_blocks > 0 and facts.source_tier == "disk" and loop.alive
+        os.kill(loop.pid, signal.SIGSTOP)
+        await asyncio.to_thread(loop.stop, 0.5)
+        assert not loop.alive and loop.exit["signal"] == signal.SIGKILL
+        assert loop.exit["reason"] == "killed by signal 9 (SIGKILL)"
+        assert not os.path.exists(f"/proc/{loop.pid}")  # reaped
+        with pytest.raises(RuntimeError, match="engine worker exited"):
+            loop.call(request_views).result(1)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert died == []  # asked to stop: not a death
