@@ -124,6 +124,37 @@ def test_bench_compare_and_alone_without(store_home, tmp_path, capsys):
     assert "no class 'huge'" in capsys.readouterr().err
 
 
+def test_bench_repeats_reports_each_systems_median_round(store_home, tmp_path, capsys):
+    """--repeats 3: every system runs 3 interleaved rounds; the reported run is the median one."""
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("name: tiny-rep\nmodel: tiny\nseed: 1\nrequests: 3\narrival: {process: burst}\nclasses:\n"
+                  "  - {name: a, share: 1.0, prompt_tokens: {dist: fixed, value: 6}, output_tokens: {dist: fixed, value: 4}}\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("engine: {kv_cache_bytes: 4MiB, block_size: 4}\n")
+    out = tmp_path / "out"
+    other = tmp_path / "other.yaml"
+    other.write_text(cfg.read_text())
+    assert invoke("bench", "-w", str(wl), "--config", str(cfg), "--compare", str(other), "--peers", "none",
+                  "--out", str(out), "--repeats", "3") == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["meta"]["config"]["repeats"] == 3
+    for name in ("gpuserv", "gpuserv[other]"):
+        g = result["systems"][name]
+        rounds = g["extra"]["rounds_tok_s"]
+        assert len(rounds) == 3 and round(g["throughput_tok_s"], 1) == sorted(rounds)[1]
+    assert invoke("bench", "-w", str(wl), "--peers", "none", "--repeats", "0") == 2
+
+
+def test_median_run_keeps_one_whole_run():
+    from gpuservd.bench.records import RequestTiming, SystemRun
+    from gpuservd.bench.run import median_run
+
+    done = [RequestTiming("r", "a", 0.0, 0.1, 0.2, 4, 100)]  # 100 tokens each: throughput ranks by wall
+    runs = [SystemRun("x", w, done, {}) for w in (2.0, 1.0, 4.0, 3.0)]
+    assert median_run(runs).wall_s == 3.0  # 25, 33, 50, 100 tok/s: the lower middle is 33
+    assert median_run(runs[:1]) is runs[0]
+
+
 def test_models_ls_json(store_home, capsys):
     assert invoke("models", "ls", "--json") == 0
     rows = json.loads(capsys.readouterr().out)

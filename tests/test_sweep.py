@@ -90,7 +90,8 @@ def test_bench_keeps_its_promised_options(monkeypatch, tmp_path, capsys):
     """`gpuserv bench -w FILE` with every option still reaches run_bench exactly as before."""
     seen = {}
 
-    def fake_run_bench(workload, config, peers, out, model=None, log=None, compare=None, alone_without=None):
+    def fake_run_bench(workload, config, peers, out, model=None, log=None, compare=None, alone_without=None,
+                       repeats=1):
         seen.update(workload=workload, config=config, peers=peers, out=out, model=model, compare=compare,
                     alone_without=alone_without)
         return {"fake": True}

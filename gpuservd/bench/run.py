@@ -30,18 +30,29 @@ def variant_label(path: Path) -> str:
     return Path(path).stem
 
 
+def median_run(runs: list):
+    """The run of median throughput (the lower middle for an even count): one whole run, so its
+    latencies and throughput belong together."""
+    ranked = sorted(runs, key=lambda r: r.generated_tokens / r.wall_s if r.wall_s > 0 else 0.0)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], out_dir: Path | None,
               model: str | None = None, log=print, compare: list[Path] | None = None,
-              alone_without: str | None = None) -> dict:
+              alone_without: str | None = None, repeats: int = 1) -> dict:
     """Run the workload on gpuserv (once per config: --config, then each --compare), measure the decode
     floor, run the peers, write the report. alone_without=CLASS also runs the workload without that
-    class on the first config, to measure the drag CLASS puts on the others."""
-    from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
-    from gpuservd.bench.floor import ForeignLoad, floor_summary, measure_read_bandwidth, weight_bytes_per_decode_step
+    class on the first config, to measure the drag CLASS puts on the others.
+
+    repeats=N runs every system N times in interleaved rounds (gpuserv, its variants, each peer; then
+    again), so a slow spell of a shared machine falls on all of them; each system is reported by its
+    run of median throughput, and every round's throughput is kept (`extra.rounds_tok_s`)."""
+    if repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    from gpuservd.bench.floor import measure_read_bandwidth
     from gpuservd.bench.report import OURS, write_report
     from gpuservd.bench.workload import load_workload
     from gpuservd.config import load_config
-    from gpuservd.engine.engine import LLMEngine
     from gpuservd.store.store import ModelStore
 
     workload = load_workload(workload_path)
@@ -66,9 +77,53 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
     # engine, the same probe read 58 GB/s against 29-32 GB/s in a fresh one on this machine
     # (where the 1 GiB lands in memory changes it); the fresh figure is the conservative floor.
     bandwidth = measure_read_bandwidth(threads)
-    runs = []
+    by_system: dict[str, list] = {}
     floor = None
     requests = None
+    for rnd in range(repeats):
+        if repeats > 1:
+            log(f"round {rnd + 1} of {repeats}")
+        requests, floor = _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_without, threads,
+                                         bandwidth, requests, floor, by_system, log)
+        for peer in peers:
+            from gpuservd.bench import peers as peer_mod
+
+            log(f"{peer}: running")
+            fn = getattr(peer_mod, f"run_{peer}")
+            prun = fn(model_dir, requests, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs,
+                      num_threads=threads)
+            by_system.setdefault(prun.system, []).append(prun)
+            log(f"  {prun.generated_tokens / prun.wall_s:.1f} tok/s, wall {prun.wall_s:.1f} s")
+            gc.collect()
+    runs = []
+    for system_runs in by_system.values():
+        chosen = median_run(system_runs)
+        if repeats > 1:
+            chosen.extra["rounds_tok_s"] = [round(r.generated_tokens / r.wall_s, 1) for r in system_runs]
+        runs.append(chosen)
+
+    config = dataclasses.asdict(cfg)
+    config["num_threads"] = threads
+    config["base_config"] = str(config_path) if config_path else None
+    config["compare"] = {f"{OURS}[{lb}]": str(p) for lb, p in zip(labels, compare)}
+    config["alone_without"] = alone_without
+    config["repeats"] = repeats
+    result = write_report(out_dir, workload, runs, floor, config)
+    log(f"wrote {out_dir}/result.json, result.md, latency_cdf.png")
+    return result
+
+
+def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_without, threads, bandwidth, requests,
+                   floor, by_system: dict, log):
+    """One round of gpuserv runs (each config, and the alone-without run); the first measures the floor.
+    Returns (requests, floor): the workload is materialized once, with the first engine's tokenizer."""
+    import torch
+
+    from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
+    from gpuservd.bench.floor import ForeignLoad, floor_summary, weight_bytes_per_decode_step
+    from gpuservd.bench.report import OURS
+    from gpuservd.engine.engine import LLMEngine
+
     for name, c in configs:
         c.model = cfg.model
         log(f"{name}: loading {c.model} ({c.dtype}) from {model_dir}")
@@ -93,7 +148,7 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
             run.extra["foreign_cpu_share"] = load.share
             run.extra["engine_load_s"] = load_s
             run.extra["config"] = dataclasses.asdict(c)
-            runs.append(run)
+            by_system.setdefault(run_name, []).append(run)
             log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s, "
                 f"{run.extra['num_preempted']} preemptions")
         if floor is None:
@@ -104,22 +159,4 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
             log(f"  batch-1 decode step {1000 * step_s:.1f} ms; floor {floor['floor_step_ms']:.1f} ms")
         del engine
         gc.collect()
-
-    for peer in peers:
-        from gpuservd.bench import peers as peer_mod
-
-        log(f"{peer}: running")
-        fn = getattr(peer_mod, f"run_{peer}")
-        prun = fn(model_dir, requests, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs, num_threads=threads)
-        runs.append(prun)
-        log(f"  {prun.generated_tokens / prun.wall_s:.1f} tok/s, wall {prun.wall_s:.1f} s")
-        gc.collect()
-
-    config = dataclasses.asdict(cfg)
-    config["num_threads"] = threads
-    config["base_config"] = str(config_path) if config_path else None
-    config["compare"] = {f"{OURS}[{lb}]": str(p) for lb, p in zip(labels, compare)}
-    config["alone_without"] = alone_without
-    result = write_report(out_dir, workload, runs, floor, config)
-    log(f"wrote {out_dir}/result.json, result.md, latency_cdf.png")
-    return result
+    return requests, floor

@@ -41,6 +41,8 @@ def bench(
                                                  "with ratios against --config."),
     alone_without: Optional[str] = typer.Option(None, "--alone-without", help="Also run the workload without this "
                                                 "request class, and report the drag it puts on the others."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Rounds of every system, interleaved; each is reported "
+                                "by its median-throughput run (steadier ratios on a shared machine)."),
 ) -> None:
     """Replay a workload on gpuserv and on transformers; write result.json, result.md and a latency CDF."""
     if ctx.invoked_subcommand is not None:
@@ -55,8 +57,8 @@ def bench(
     from gpuservd.bench.report import markdown
 
     if target == "socket":
-        if config is not None or compare or alone_without:
-            raise UserError("--config, --compare and --alone-without apply to --target inprocess; "
+        if config is not None or compare or alone_without or repeats != 1:
+            raise UserError("--config, --compare, --alone-without and --repeats apply to --target inprocess; "
                             "the daemon reads its own config")
         typer.echo(markdown(remote.bench_socket(workload, socket, out, model,
                                                 log=lambda m: typer.echo(m, err=True))))
@@ -64,7 +66,7 @@ def bench(
     from gpuservd.bench.run import parse_peers, run_bench
 
     result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True),
-                       compare=compare, alone_without=alone_without)
+                       compare=compare, alone_without=alone_without, repeats=repeats)
     typer.echo(markdown(result))
 
 
