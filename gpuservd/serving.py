@@ -117,7 +117,8 @@ class Serving:
         slot = self.slots.get(greq.model)
         if slot is None or slot.state == "failed":
             self.reject("model_not_found")
-            hint = f" ({greq.model} {'failed' if slot.worker_exit else 'failed to load'}: {slot.error})" if slot else ""
+            failed = "failed" if slot and slot.worker_exit else "failed to load"
+            hint = f" ({greq.model} {failed}: {slot.error})" if slot else ""
             raise protocol.model_not_found(greq.model, self.model_names(), hint)
         if slot.state != "ready":
             self.reject(slot.state)
@@ -463,6 +464,8 @@ class Serving:
                           **({"worker_pid": loop.pid} if loop.pid else {}),
                           **({"base": base, "delta_bytes_read": delta_read} if base else {})})
         if isolation == "process":
+            if loop.exit is not None:  # it exited while the load was finishing, before the slot held it
+                self._worker_exited(loop, {**loop.exit, "num_failed_requests": 0})
             return slot  # the worker reads the store: a host copy in the daemon would serve nobody
         if cc.host_bytes and not base and self.cache.residency(name)["host"] == 0:
             asyncio.ensure_future(asyncio.to_thread(self._keep_host_copy, name, model_dir))
