@@ -506,6 +506,8 @@ def test_mps_worker_env():
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=25600M"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     assert env["CUDA_VISIBLE_DEVICES"] == "0"  # the worker sees its one GPU as device 0
+    assert b.worker_env("other", 40, 108, None, device_index=1)["CUDA_VISIBLE_DEVICES"] == "1"  # routed to cuda:1
+    b.unbind("other")
     assert b.bind("chat", 40) is None and b.env_of("chat") == env
     b.worker_started("chat", 4242)
     assert b.status()["workers"] == {"chat": {"pid": 4242, "env": env}}

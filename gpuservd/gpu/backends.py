@@ -203,13 +203,15 @@ class MpsBackend(PartitionBackend):
         self._env: dict[str, dict[str, str]] = {}  # model -> what its worker's environment adds
         self._pids: dict[str, int] = {}  # model -> its worker process
 
-    def worker_env(self, model: str, num_sms: int, num_sms_total: int, quota_bytes: int | None) -> dict[str, str]:
+    def worker_env(self, model: str, num_sms: int, num_sms_total: int, quota_bytes: int | None,
+                   device_index: int | None = None) -> dict[str, str]:
         """The environment `model`'s engine worker process gets: the MPS settings, and the one GPU it sees
-        (CUDA_VISIBLE_DEVICES, so the limits name device 0)."""
+        (CUDA_VISIBLE_DEVICES: `device_index`, default the backend's device; the limits then name device 0)."""
         pipe = self.daemon.pipe_directory if self.daemon.found else None
         env = worker_env(num_sms, num_sms_total, quota_bytes, device_index=0, pipe_directory=pipe)
-        if self.device_index is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.device_index)
+        index = self.device_index if device_index is None else device_index
+        if index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(index)
         with self._lock:
             self._env[model] = env
         return env

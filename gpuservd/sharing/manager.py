@@ -200,7 +200,11 @@ class SharingManager:
         if group is None or not total:
             why = self.plan_error or "no SM plan for it (sharing.hardware names no GPU)"
             raise UserError(f"model {name}: no MPS settings for its worker process: {why}")
-        return self.backend.worker_env(name, group.num_sms, total, quota.quota if quota is not None else None)
+        from gpuservd.gpu.readings import cuda_index
+
+        device = self.device_of.get(name)  # several devices (M8): the GPU the model was routed to
+        return self.backend.worker_env(name, group.num_sms, total, quota.quota if quota is not None else None,
+                                       cuda_index(device) if device else None)
 
     def worker_started(self, name: str, pid: int) -> None:
         self.isolated[name] = pid
