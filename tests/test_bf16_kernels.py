@@ -112,12 +112,15 @@ def test_bf16_rms_norm_and_residual_add(ops, rows, dim):
 
 
 @pytest.mark.parametrize("ctx", [1, 15, 16, 17, 80, 300])
-def test_bf16_paged_decode_with_prefetch_matches_torch(ops, ctx):
-    """The prefetching (bf16) item walk: runs that start mid-block, one-token contexts, many blocks."""
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 1, 64), (8, 2, 128), (16, 2, 128), (4, 4, 32)])
+def test_bf16_paged_decode_with_prefetch_matches_torch(ops, ctx, heads, kvh, d):
+    """The prefetching (bf16) item walk: runs that start mid-block, one-token contexts, many blocks; the
+    dot-product item (AVX512_BF16) at head_dim 64 / 128 and group sizes 1-8 (one and two V passes), and
+    a head_dim it does not take (32: the AVX2 item)."""
     from gpuservd.runner.attention import decode_attention_torch
     from gpuservd.runner.batch import SeqChunk, build_batch
 
-    bs, kvh, heads, d = 16, 3, 9, 64
+    bs = 16
     g = torch.Generator().manual_seed(ctx)
     nblk = -(-ctx // bs) + 1
     b = 5
@@ -128,9 +131,11 @@ def test_bf16_paged_decode_with_prefetch_matches_torch(ops, ctx):
     lens = [max(1, ctx - 3 * i) for i in range(b)]
     batch = build_batch([SeqChunk([1], n - 1, t, True) for n, t in zip(lens, tables)], bs, torch.device("cpu"))
     q = torch.randn(b, heads, d, generator=g).bfloat16()
-    got = ops.paged_decode(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, 0.125)
-    want = decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), batch, 0.125)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    qs = torch.randn(b, 2 * heads, d, generator=g).bfloat16()[:, ::2]  # a head stride of 2 * d
+    for query in (q, qs):
+        got = ops.paged_decode(query, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, 0.125)
+        want = decode_attention_torch(query.float(), k_cache.float(), v_cache.float(), batch, 0.125)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.smollm2

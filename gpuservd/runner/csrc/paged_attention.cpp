@@ -65,6 +65,9 @@ struct Item {
   float* m;  // [H] softmax max of this item's scores
   float* l;  // [H] sum of exp(score - m)
   float* acc;  // [H, D] sum of exp(score - m) * v
+  const void* qraw = nullptr;  // the query as given ([H, D] in the cache dtype, heads qraw_head_stride apart)
+  int64_t qraw_head_stride = 0;
+  float scale = 1.f;
 };
 
 struct Shape {
@@ -211,11 +214,124 @@ void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, 
 
 template <typename T>
 using ItemFn = void (*)(const Item&, const T*, const T*, const Shape&, float*);
+using ItemFn_bf16_t = ItemFn<at::BFloat16>;
+
+#if GPUSERV_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define GPUSERV_ATTN_DP 1
+// bf16 on a CPU with AVX512_BF16: scores with vdpbf16ps straight from the bf16 query and K row
+// (DZ / 2 instructions per query head and token instead of DZ widening loads and 2 * DZ fp32 FMAs,
+// then one reduction; the scale is applied to the fp32 score, so the products stay exact), and
+// the weighted V sum with 512-bit FMAs on V widened 16 lanes at a time, J registers per pass.
+// DZ = D / 16 (4 for head_dim 64, 8 for 128); G * J accumulators.
+inline __m512 widen16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <int G, int DZ, int J>
+void attend_item_dp(const Item& it, const at::BFloat16* k, const at::BFloat16* v, const Shape& sh, float* scores) {
+  static_assert(DZ % 2 == 0 && DZ % J == 0, "D must be a multiple of 32 and of the tile");
+  constexpr int DP = DZ / 2;  // 32 bf16 per dot-product step
+  const int64_t n = it.t1 - it.t0, D = sh.D, KVH = sh.kv_heads;
+  const auto* q = static_cast<const at::BFloat16*>(it.qraw);
+  int64_t i0 = 0;
+  for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+    if (i0 == 0) prefetch_rows(k, row, count, sh.row_stride);
+    const int64_t t_next = it.t0 + i0 + count;
+    if (t_next < it.t1) {
+      const int64_t off = t_next % sh.block_size;
+      prefetch_rows(k, static_cast<int64_t>(it.table[t_next / sh.block_size]) * sh.block_size + off,
+                    std::min(sh.block_size - off, it.t1 - t_next), sh.row_stride);
+    }
+    prefetch_rows(v, row, count, sh.row_stride);
+    for (int64_t h = 0; h < KVH; ++h) {
+      __m512bh qv[G][DP];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < DP; ++c)
+          qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * it.qraw_head_stride + 32 * c);
+      float* sc = scores + h * G * n + i0;
+      for (int64_t r = 0; r < count; ++r) {
+        const at::BFloat16* kr = k + (row + r) * sh.row_stride + h * D;
+        __m512bh kz[DP];
+        for (int c = 0; c < DP; ++c) kz[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+        for (int g = 0; g < G; ++g) {
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kz[0]);
+          for (int c = 1; c < DP; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kz[c]);
+          sc[g * n + r] = _mm512_reduce_add_ps(a) * it.scale;
+        }
+      }
+    }
+    i0 += count;
+  });
+  softmax_rows(scores, KVH * G, n, it.m, it.l);
+  for (int64_t h = 0; h < KVH; ++h) {
+    const float* p = scores + h * G * n;
+    for (int64_t c0 = 0; c0 < D; c0 += 16 * J) {
+      __m512 a[G][J];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < J; ++j) a[g][j] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+        for (int64_t r = 0; r < count; ++r, ++i) {
+          const at::BFloat16* vr = v + (row + r) * sh.row_stride + h * D + c0;
+          __m512 vv[J];
+          for (int j = 0; j < J; ++j) vv[j] = widen16(vr + 16 * j);
+          for (int g = 0; g < G; ++g) {
+            const __m512 pg = _mm512_set1_ps(p[g * n + i]);
+            for (int j = 0; j < J; ++j) a[g][j] = _mm512_fmadd_ps(pg, vv[j], a[g][j]);
+          }
+        }
+      });
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < J; ++j) _mm512_storeu_ps(it.acc + (h * G + g) * D + c0 + 16 * j, a[g][j]);
+    }
+  }
+}
+
+// The dot-product variant for this group size and head dim (64 or 128), or nullptr.
+ItemFn_bf16_t pick_dp(int64_t group, int64_t D) {
+  if (!__builtin_cpu_supports("avx512bf16")) return nullptr;
+  if (D == 64) {
+    switch (group) {
+      case 1: return attend_item_dp<1, 4, 4>;
+      case 2: return attend_item_dp<2, 4, 4>;
+      case 3: return attend_item_dp<3, 4, 4>;
+      case 4: return attend_item_dp<4, 4, 4>;
+      case 5: return attend_item_dp<5, 4, 4>;
+      case 6: return attend_item_dp<6, 4, 2>;
+      case 7: return attend_item_dp<7, 4, 2>;
+      case 8: return attend_item_dp<8, 4, 2>;
+      default: return nullptr;
+    }
+  }
+  if (D == 128) {
+    switch (group) {
+      case 1: return attend_item_dp<1, 8, 8>;
+      case 2: return attend_item_dp<2, 8, 8>;
+      case 3: return attend_item_dp<3, 8, 4>;
+      case 4: return attend_item_dp<4, 8, 4>;
+      case 5: return attend_item_dp<5, 8, 4>;
+      case 6: return attend_item_dp<6, 8, 2>;
+      case 7: return attend_item_dp<7, 8, 2>;
+      case 8: return attend_item_dp<8, 8, 2>;
+      default: return nullptr;
+    }
+  }
+  return nullptr;
+}
+#else
+#define GPUSERV_ATTN_DP 0
+#endif
 
 // The register-blocked variant for this group size and head dim, else the generic loops.
 // G * TILE / 8 accumulators stay within 12 of the 16 ymm registers.
 template <typename T>
 ItemFn<T> pick_item_fn(int64_t group, int64_t D) {
+#if GPUSERV_ATTN_DP
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (const auto fn = pick_dp(group, D)) return fn;
+  }
+#endif
 #if GPUSERV_AVX2
   if (D % 16 == 0) {
     const bool t32 = D % 32 == 0;
@@ -264,18 +380,25 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   std::vector<int64_t> first_item(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) first_item[b + 1] = first_item[b] + std::max<int64_t>(1, (lp[b] + part_len - 1) / part_len);
   const int64_t items = first_item[B];
-  std::vector<float> qs(B * H * D), part_m(items * H), part_l(items * H), part_acc(items * H * D);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t c = 0; c < D; ++c) qs[(b * H + h) * D + c] = to_f32(qp[b * qs0 + h * qs1 + c]) * static_cast<float>(scale);
-
   const ItemFn<T> attend_item = pick_item_fn<T>(sh.group, D);
+  // The fp32, scaled query of the AVX2 / generic items (the bf16 dot-product item reads q as given).
+  bool need_qs = true;
+#if GPUSERV_ATTN_DP
+  if constexpr (std::is_same_v<T, at::BFloat16>) need_qs = attend_item != pick_dp(sh.group, D);
+#endif
+  std::vector<float> qs(need_qs ? B * H * D : 0), part_m(items * H), part_l(items * H), part_acc(items * H * D);
+  if (need_qs)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t c = 0; c < D; ++c) qs[(b * H + h) * D + c] = to_f32(qp[b * qs0 + h * qs1 + c]) * static_cast<float>(scale);
+
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(H * part_len);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), it) - first_item.begin() - 1;
       const int64_t t0 = (it - first_item[b]) * part_len, t1 = std::min<int64_t>(lp[b], t0 + part_len);
-      const Item item{&qs[b * H * D], tp + b * table_stride, t0, t1, &part_m[it * H], &part_l[it * H], &part_acc[it * H * D]};
+      const Item item{need_qs ? &qs[b * H * D] : nullptr, tp + b * table_stride, t0, t1, &part_m[it * H], &part_l[it * H], &part_acc[it * H * D],
+                      qp + b * qs0, qs1, static_cast<float>(scale)};
       if (t1 <= t0) {  // empty context: contributes nothing
         std::fill(item.m, item.m + H, -std::numeric_limits<float>::infinity());
         std::fill(item.l, item.l + H, 0.f);
