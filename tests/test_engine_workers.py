@@ -42,6 +42,19 @@ def greedy(http, prompt: str, model: str = "tiny", stream: bool = False) -> list
     return ids
 
 
+def read_events(http, kind: str, recent: int, count: int) -> list[dict]:
+    """The first `count` events of type `kind` from /admin/events, replaying the last `recent` first."""
+    found = []
+    with http.stream("GET", "/admin/events", params={"recent": str(recent), "types": kind}) as r:
+        for line in r.iter_lines():
+            event = json.loads(line)
+            if event["type"] == kind:
+                found.append(event)
+            if len(found) >= count:
+                break
+    return found
+
+
 def models(daemon) -> dict:
     return {m["name"]: m for m in daemon.status()["models"]}
 
@@ -123,14 +136,7 @@ def test_status_events_and_metrics_carry_the_workers_steps(daemon, http):
     greedy(http, "the capital")
     after = models(daemon)["tiny"]
     assert after["num_steps"] >= before + MAX_TOKENS  # the worker's snapshot, in status
-    steps = []
-    with http.stream("GET", "/admin/events", params={"recent": "5", "types": "step"}) as r:
-        for line in r.iter_lines():
-            event = json.loads(line)
-            if event["type"] == "step":
-                steps.append(event)
-            if len(steps) >= 5:
-                break
+    steps = read_events(http, "step", 5, 5)
     assert steps and all(e["model"] in ("tiny", "tiny2") and e["wall_s"] > 0 for e in steps)
     assert any(e["model"] == "tiny" and e["step_id"] >= after["num_steps"] - 5 for e in steps)
     text = http.get("/metrics").text
@@ -177,13 +183,7 @@ def test_a_killed_worker_fails_only_its_requests_and_the_next_request_starts_a_f
     st = models(daemon)["tiny"]
     assert st["state"] == "failed" and "signal 9 (SIGKILL)" in st["error"] and str(old) in st["error"]
     wait_until(lambda: gone(old), 5, what="the dead worker reaped")
-    exits = []
-    with http.stream("GET", "/admin/events", params={"recent": "1", "types": "engine_worker_exit"}) as ev:
-        for line in ev.iter_lines():
-            event = json.loads(line)
-            if event["type"] == "engine_worker_exit":
-                exits.append(event)
-                break
+    exits = read_events(http, "engine_worker_exit", 1, 1)
     assert exits[0]["model"] == "tiny" and exits[0]["pid"] == old and exits[0]["signal"] == 9
     assert exits[0]["num_failed_requests"] == 2
     # the other model never noticed
