@@ -15,6 +15,10 @@ On a machine without CUDA it says so, writes nothing and exits 0. On a CUDA mach
              VERIFIED by a kernel on its stream that records %smid for many blocks (Triton inline asm,
              else a CUDA extension built with nvcc, else "could not verify"), overlaps between groups
              are counted, and a fixed bf16 matmul is timed per context alone and all at once
+  mps        where `nvidia-cuda-mps-control` exists: a private MPS control daemon is started, and one
+             process per plan group, started with the environment the daemon gives an engine worker
+             (gpuservd.gpu.mps.worker_env), counts the SM ids its kernel's blocks ran on and times the
+             bf16 matmul; then the control daemon is told to quit. Where it is missing: "not available"
   isolation `python -m gpuservd.cli.main bench isolation --device cuda:0 --out DIR` (its failure is
              recorded, not fatal)
 Writes bench/results/<YYYY-MM-DD>-<device>-gpu-check/{result.json,result.md} and prints the path.
@@ -38,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 BUDGET_S = 330.0  # the whole script: a later session runs it inside a 15-minute device budget
-PART_LIMIT_S = {"device": 60.0, "green": 170.0}
+PART_LIMIT_S = {"device": 60.0, "green": 170.0, "mps": 75.0}
 ISOLATION_LIMIT_S = 200.0
 MIN_PART_S = 20.0  # a part is not started with less than this left
 SHARES = {"chat": 0.40, "classifier": 0.35, "batch": 0.25}  # the seed's example split (G1)
@@ -445,16 +449,73 @@ def part_green(inp: dict) -> dict:
     return out
 
 
-PARTS = {"device": part_device, "green": part_green}
+# ---- part: MPS ----------------------------------------------------------------------------------------
+def part_mps_worker(inp: dict) -> dict:
+    """In a process started under MPS with a worker's environment: SM ids and the matmul, alone."""
+    import torch
+
+    out = {"active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+           "pinned_mem_limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")}
+    props = torch.cuda.get_device_properties(0)
+    out["sms_reported_by_torch"] = props.multi_processor_count  # under MPS this may still say the whole device
+    counter = SmCounter(inp["num_sms_total"], f"{props.major}.{props.minor}", time.time() + inp["limit_s"] - 5)
+    out["smid"] = counter.count()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out["matmul_tflops"] = matmul_tflops(a, b)
+    return out
+
+
+def part_mps(inp: dict) -> dict:
+    """A private MPS control daemon and one worker process per group (see the module docstring)."""
+    import shutil
+
+    from gpuservd.gpu.mps import worker_env
+
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    if not ctl:
+        return {"available": False, "why": "nvidia-cuda-mps-control is not on PATH"}
+    deadline = time.time() + inp["limit_s"] - 5
+    base = Path(tempfile.mkdtemp(prefix="gpuserv-mps-"))
+    pipe, logs = base / "pipe", base / "log"
+    pipe.mkdir()
+    logs.mkdir()
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    out: dict = {"available": True, "pipe_directory": str(pipe), "groups": {}}
+    start = subprocess.run([ctl, "-d"], env=env, capture_output=True, text=True, timeout=20)
+    if start.returncode != 0:
+        return {**out, "error": f"could not start the MPS control daemon: rc {start.returncode} "
+                                f"{(start.stdout + start.stderr).strip()[-500:]}"}
+    try:
+        total = inp["num_sms_total"]
+        for name, n in inp["groups"].items():
+            left = deadline - time.time()
+            if left < MIN_PART_S:
+                out["groups"][name] = {"error": "skipped: the part's time is spent"}
+                continue
+            wenv = worker_env(n, total, None, pipe_directory=str(pipe))
+            res = run_part("mps_worker", {"num_sms_total": total}, min(45.0, left), env_extra=wenv)
+            out["groups"][name] = {"asked_sms": n, "env": wenv, **(res.get("result") or {}),
+                                   **({} if res.get("ok") else {"error": res.get("error") or res.get("output_tail")})}
+    finally:
+        stop = subprocess.run([ctl], input="quit\n", env=env, capture_output=True, text=True, timeout=20)
+        out["quit_rc"] = stop.returncode
+        log_file = logs / "control.log"
+        if log_file.exists():
+            out["control_log_tail"] = log_file.read_text(errors="replace")[-1500:]
+    return out
+
+
+PARTS = {"device": part_device, "green": part_green, "mps": part_mps, "mps_worker": part_mps_worker}
 
 
 # ---- the parent ---------------------------------------------------------------------------------------
-def run_part(name: str, payload: dict, limit: float) -> dict:
+def run_part(name: str, payload: dict, limit: float, env_extra: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="gpuserv-check-") as tmp:
         pin, pout = Path(tmp) / "in.json", Path(tmp) / "out.json"
         pin.write_text(json.dumps({**payload, "limit_s": limit}))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         t0 = time.time()
         try:
             p = subprocess.run([sys.executable, __file__, "--part", name, "--part-in", str(pin), "--part-out",
@@ -571,6 +632,20 @@ def markdown(r: dict) -> str:
                              f"{_f(x.get('matmul_tflops_alone'))} | {_f(x.get('matmul_tflops_together'))} | "
                              f"{x.get('error') or (x.get('smid') or {}).get('error') or ''} |")
             lines += ["", f"SM ids shared between groups: {json.dumps(w.get('overlap_sm_ids'))}", ""]
+    mps = r.get("mps") or {}
+    if mps:
+        lines += ["## MPS (one process per group, the engine worker's environment)", ""]
+        if not mps.get("available"):
+            lines += [f"not available: {mps.get('why')}", ""]
+        else:
+            lines += ([f"error: {mps['error']}", ""] if mps.get("error") else [])
+            lines += ["| group | asked SMs | active thread % | SM ids seen | TFLOP/s alone | error |",
+                      "|---|---|---|---|---|---|"]
+            for g, x in (mps.get("groups") or {}).items():
+                lines.append(f"| {g} | {x.get('asked_sms')} | {x.get('active_thread_percentage')} | "
+                             f"{(x.get('smid') or {}).get('num_sm_ids', '-')} | {_f(x.get('matmul_tflops'))} | "
+                             f"{x.get('error') or (x.get('smid') or {}).get('error') or ''} |")
+            lines.append("")
     iso = r.get("isolation")
     if iso:
         lines += ["## Isolation benchmark", "", f"`{iso.get('command')}`: {'ok' if iso.get('ok') else 'FAILED'} "
@@ -628,6 +703,13 @@ def main() -> int:
         r["verdict"] = verdict(r["green"])
     else:
         r["parts"]["green"] = {"ok": False, "error": "skipped: the time budget is spent"}
+    if left() >= MIN_PART_S + (0 if a.skip_isolation else 60):
+        mps = run_part("mps", {"groups": r["plan"]["groups"], "num_sms_total": r["device"]["num_sms"]},
+                       min(PART_LIMIT_S["mps"], left() - (0 if a.skip_isolation else 60)))
+        r["parts"]["mps"] = {k: v for k, v in mps.items() if k != "result"}
+        r["mps"] = mps.get("result")
+    else:
+        r["parts"]["mps"] = {"ok": False, "error": "skipped: the time budget is spent"}
     if a.skip_isolation:
         r["parts"]["isolation"] = {"ok": False, "error": "skipped (--skip-isolation)"}
     elif left() >= MIN_PART_S:
