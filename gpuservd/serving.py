@@ -503,6 +503,22 @@ class Serving:
             await asyncio.wrap_future(loop.call(partial(set_kv_limit, cap)))
         slot.source_tier = facts.source_tier
         self.cache.bytes_loaded["disk"] += facts.bytes_read
+        self._warn_cpu_oversubscription(slot)
+
+    def _warn_cpu_oversubscription(self, slot: ModelSlot) -> None:
+        """Workers on a CPU run side by side (the arbiter paces engine threads only), each with torch's
+        default of every core unless engine.num_threads is set: two busy workers then fight over the
+        cores with spinning OpenMP pools. Said once per load, in the log, with the fix."""
+        if not slot.device.startswith("cpu") or slot.config.num_threads:
+            return
+        others = [s.name for s in self.slots.values() if s is not slot and s.device == slot.device
+                  and s.loop is not None and getattr(s.loop, "pid", None) and not s.config.num_threads]
+        if others:
+            cores = os.cpu_count() or 1
+            log.warning("models %s run in engine worker processes on %s, each with all %d cores: busy together "
+                        "they oversubscribe the CPU; set engine.num_threads (e.g. %d) or use engine.isolation: "
+                        "thread", ", ".join(sorted(others + [slot.name])), slot.device, cores,
+                        max(1, cores // (len(others) + 1)))
 
     def _worker_exited(self, loop, info: dict) -> None:
         """On the event loop: a model's engine worker process exited unasked (its requests got 503s). The model

@@ -97,6 +97,31 @@ def http(daemon):
         yield c
 
 
+def test_cpu_workers_without_num_threads_are_warned_about(daemon, caplog):
+    """Workers run side by side (no arbiter), each with every core unless engine.num_threads is set: a second
+    such worker on the same CPU is a warning with the fix. (This daemon sets num_threads: 1, so no warning.)"""
+    from types import SimpleNamespace as NS
+
+    from gpuservd.serving import Serving
+
+    assert "oversubscribe" not in daemon.log
+
+    def slot(name, threads=None, pid=None, device="cpu"):
+        return NS(name=name, device=device, config=NS(num_threads=threads), loop=NS(pid=pid) if pid else None)
+
+    def warned(new, *others):
+        caplog.clear()
+        Serving._warn_cpu_oversubscription(NS(slots={s.name: s for s in (new, *others)}), new)
+        return [r.getMessage() for r in caplog.records if "oversubscribe" in r.getMessage()]
+
+    msgs = warned(slot("b"), slot("a", pid=11))
+    assert len(msgs) == 1 and "models a, b" in msgs[0] and "engine.num_threads (e.g." in msgs[0]
+    assert not warned(slot("b"), slot("a", pid=11, threads=1))  # the other has its own thread count
+    assert not warned(slot("b", threads=2), slot("a", pid=11))
+    assert not warned(slot("b"), slot("a"))  # the other runs on an engine thread (paced by the arbiter)
+    assert not warned(slot("b", device="cuda:0"), slot("a", pid=11, device="cuda:0"))
+
+
 def test_a_worker_serves_the_same_greedy_tokens_as_an_engine_thread(daemon, http):
     for (prompt, stream), ref in daemon.refs.items():
         assert len(ref) == MAX_TOKENS
