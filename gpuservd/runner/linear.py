@@ -21,9 +21,9 @@ bf16 on a CPU with AVX512_BF16 is the exception: there the one copy is the
 weight repacked into pair panels (csrc/packed_gemm.cpp explains the layout)
 and every row count goes to `packed_linear`, an outer-product kernel with no
 per-output reductions. Over 30 layers of SmolLM2 shapes (2 threads) it ran
-1.25x / 1.3x faster than the dense dot-product gemv at 32 / 64 rows, level
-at 1-8 rows (both stream W at DRAM speed), and 1.1-1.2x faster than oneDNN's
-bf16 matmul on the dense weight at 128-512 rows (prefill); see
+1.28x faster than the dense dot-product gemv at 32 and at 64 rows, as fast
+or faster at 1-16 rows (both stream W at DRAM speed at 1), and 1.03-1.17x
+faster than oneDNN's bf16 matmul on the dense weight at 128-512 rows; see
 bench/results/2026-11-29-cpu-packed-gemm. `rows(ids)` reads dense rows back
 out of the packed copy, so a tied embedding and LM head stay one tensor.
 `GPUSERV_PACKED_WEIGHTS=0` keeps the dense layout (the A/B reference).
@@ -31,10 +31,10 @@ out of the packed copy, so a tied embedding and LM head stay one tensor.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
-
-import os
 
 from gpuservd.runner import cpu_kernels
 
