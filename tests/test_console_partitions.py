@@ -264,11 +264,11 @@ def test_percentages_keep_small_shares_readable():
 
 def test_a_plan_no_backend_enforces_is_shown_as_planned_and_time_sliced():
     st = cuda_status()
-    summary = "SM partitions: not enforced (MPS control daemon found, available, needs engine worker processes " \
-              "(not implemented))"
-    st["partitions"].update(backend="mps", enforced=False, summary=summary, time_slice_group="device", warnings=[])
+    summary = "SM partitions: not enforced (green contexts: the CUDA driver is older than 12.4; MPS: no MPS " \
+              "control daemon (no pipe at /tmp/nvidia-mps/control, no nvidia-cuda-mps-control process))"
+    st["partitions"].update(backend="none", enforced=False, summary=summary, time_slice_group="device", warnings=[])
     st["arbiter"]["groups"] = [{"name": "device", "models": ["chat", "summarizer"], "holder": None, "waiting": []}]
     out = " ".join(plain(sm_content(st), 120).split())
-    assert out.startswith("SM partitions: not enforced (MPS control daemon found")
-    assert "planned SM groups (not enforced by backend mps): group share ideal SMs models chat 60% 79.2 80 chat" in out
+    assert out.startswith("SM partitions: not enforced (green contexts: the CUDA driver is older than 12.4; MPS:")
+    assert "planned SM groups (not enforced by backend none): group share ideal SMs models chat 60% 79.2 80 chat" in out
     assert out.endswith("time slices: every model shares the whole device (group device: chat, summarizer)")

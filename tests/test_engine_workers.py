@@ -97,6 +97,18 @@ def http(daemon):
         yield c
 
 
+def test_gpuserv_status_names_each_workers_pid(daemon):
+    from typer.testing import CliRunner
+
+    from gpuservd.cli.main import app as cli
+
+    out = CliRunner().invoke(cli, ["status", "--socket", str(daemon.socket)]).output
+    assert "worker" in out.splitlines()[next(i for i, x in enumerate(out.splitlines()) if x.lstrip().startswith("model"))]
+    for name, m in models(daemon).items():
+        row = next(x for x in out.splitlines() if x.split() and x.split()[0] == name)
+        assert row.rstrip().endswith(f"pid {m['worker_pid']}"), out
+
+
 def test_cpu_workers_without_num_threads_are_warned_about(daemon, caplog):
     """Workers run side by side (no arbiter), each with every core unless engine.num_threads is set: a second
     such worker on the same CPU is a warning with the fix. (This daemon sets num_threads: 1, so no warning.)"""

@@ -89,12 +89,16 @@ def status(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
         console.print(f"sharing: {st.sharing.get('summary')}; {_arbiter_line(st.arbiter)}"
                       + (f"; latency-critical: {', '.join(lc)}" if lc else ""), markup=False)
     table = Table(box=None, padding=(0, 1), header_style="bold")
-    for col in ("model", "state", "pin", "kv free", "kv total", "run", "wait", "flight", "ctx", "steps"):
+    workers = any(m.isolation == "process" for m in st.models)  # the worker column only where one runs
+    cols = ("model", "state", "pin", "kv free", "kv total", "run", "wait", "flight", "ctx", "steps")
+    for col in cols + (("worker",) if workers else ()):
         table.add_column(col, justify="left" if col in ("model", "state") else "right", no_wrap=True)
     for m in st.models:
-        table.add_row(m.name, m.state, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
-                      str(m.num_running), str(m.num_waiting),
-                      str(m.num_in_flight), str(m.max_model_len), str(m.num_steps))
+        cells = [m.name, m.state, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
+                 str(m.num_running), str(m.num_waiting), str(m.num_in_flight), str(m.max_model_len), str(m.num_steps)]
+        if workers:
+            cells.append(f"pid {m.worker_pid}" if m.worker_pid else ("starting" if m.isolation == "process" else "-"))
+        table.add_row(*cells)
     console.print(table)
     for m in st.models:
         if m.error:
