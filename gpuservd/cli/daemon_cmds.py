@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -33,7 +34,8 @@ requests_app = typer.Typer(help="In-flight requests on the daemon.", no_args_is_
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    # Piped or captured output is not 80 columns wide: tables (status) keep their cells whole there.
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 def _client(socket: Optional[Path]) -> Client:
@@ -97,7 +99,7 @@ def status(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
         cells = [m.name, m.state, "yes" if m.pinned else "", str(m.kv_blocks_free), str(m.kv_blocks_total),
                  str(m.num_running), str(m.num_waiting), str(m.num_in_flight), str(m.max_model_len), str(m.num_steps)]
         if workers:
-            cells.append(f"pid {m.worker_pid}" if m.worker_pid else ("starting" if m.isolation == "process" else "-"))
+            cells.append(str(m.worker_pid) if m.worker_pid else ("starting" if m.isolation == "process" else "-"))
         table.add_row(*cells)
     console.print(table)
     for m in st.models:
