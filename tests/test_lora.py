@@ -32,7 +32,7 @@ CASES = {
 
 def _logits(model, ids):
     arch = model.arch
-    cache = KVCache(cache_shape(arch, 4, torch.float32), 32, torch.device("cpu"))
+    cache = KVCache(cache_shape(arch, 4, model.dtype), 32, torch.device("cpu"))
     blocks = cache.pool.allocate(-(-ids.shape[1] // 4))
     out = []
     for start, end in [(0, 7), (7, 15), (15, 16), (16, 17)]:  # chunked prefill, then decode
@@ -84,6 +84,30 @@ def test_unmerged_delta_matches_merged_transformers(tmp_path, base, case):
         assert weights.nbytes() < base_weights.nbytes() // 4
     base_model = LlamaModel(arch, base_weights, 512, torch.float32, "cpu")
     torch.testing.assert_close(_logits(base_model, ids), _hf_logits(hf, ids), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["lora-all", "delta-kv-gate"])
+def test_a_bf16_variant_over_a_bf16_base_agrees_with_fp32(tmp_path, base, case):
+    """In bf16 (where the CPU has AVX512_BF16 the base's Linears hold packed weights, and a full-rank
+    delta's own Linear is packed too), the variant's logits follow its fp32 logits to bf16 precision."""
+    path, _, arch, base32 = base
+    adapter = make_adapter(path, tmp_path / "adapter", seed=1, std=0.05, **CASES[case])
+    config = json.loads((path / "config.json").read_text())
+    base16 = load_weights(path, arch, torch.bfloat16, torch.device("cpu"))
+    from gpuservd.runner.linear import packed_enabled
+
+    if packed_enabled(torch.device("cpu"), torch.bfloat16):
+        assert base16.layer(0).qkv.packed is not None and base16.embed is None or not arch.tie_word_embeddings
+    ids = torch.randint(3, 300, (1, 17), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for dtype, bw in ((torch.float32, base32), (torch.bfloat16, base16)):
+        weights = VariantSource(bw, adapter, config, "base").build_weights(arch, dtype, torch.device("cpu"))
+        got[dtype] = _logits(LlamaModel(arch, weights, 512, dtype, "cpu"), ids)
+    lo, hi = got[torch.bfloat16], got[torch.float32]
+    assert lo.dtype == torch.float32  # logits are fp32 in every dtype
+    for a, b in zip(lo, hi):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
 
 
 def test_qwen2_bias_and_rank_alpha_patterns(tmp_path):
