@@ -221,8 +221,7 @@ void block_dp(const at::BFloat16* w, int64_t K, const at::BFloat16* x, int64_t l
 // Whether this library has the bf16 dot-product kernel and the CPU running it can execute it.
 bool bf16_dp_available() {
 #if GPUSERV_BF16_DP
-  static const bool ok = __builtin_cpu_supports("avx512bf16");
-  return ok;
+  return gpuserv_simd::cpu_avx512bf16();
 #else
   return false;
 #endif

@@ -41,6 +41,8 @@
 #include <cstring>
 #include <optional>
 
+#include "simd.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define GPUSERV_PACKED 1
@@ -57,8 +59,7 @@ constexpr int64_t kParallelBytes = 256 << 10;
 
 bool packed_available() {
 #if GPUSERV_PACKED
-  static const bool ok = __builtin_cpu_supports("avx512bf16");
-  return ok;
+  return gpuserv_simd::cpu_avx512bf16();
 #else
   return false;
 #endif

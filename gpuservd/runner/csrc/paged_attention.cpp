@@ -298,7 +298,7 @@ void attend_item_dp(const Item& it, const at::BFloat16* k, const at::BFloat16* v
 
 // The dot-product variant for this group size and head dim (64 or 128), or nullptr.
 ItemFn_bf16_t pick_dp(int64_t group, int64_t D) {
-  if (!__builtin_cpu_supports("avx512bf16")) return nullptr;
+  if (!gpuserv_simd::cpu_avx512bf16()) return nullptr;
   if (D == 64) {
     switch (group) {
       case 1: return attend_item_dp<1, 4, 4>;

@@ -14,6 +14,13 @@
 
 namespace gpuserv_simd {
 
+// Whether the CPU running this library executes AVX512_BF16 instructions (asked once). A library
+// built with -mavx512bf16 elsewhere must still check before taking a vdpbf16ps path.
+inline bool cpu_avx512bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
 #if GPUSERV_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
