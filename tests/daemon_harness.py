@@ -166,12 +166,13 @@ class DaemonProcess:
         return self.proc.returncode
 
 
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what="condition"):
+    """what: a description, or a function giving one (called only on timeout, to show the state then)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
+            raise TimeoutError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(interval)

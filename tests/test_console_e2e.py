@@ -53,9 +53,11 @@ def in_flight(daemon) -> list[dict]:
 
 @pytest.fixture
 def long_burst(daemon):
-    """Eight requests of 9 + 1000 tokens in a 1024-token pool: they preempt each other for many seconds;
-    whatever is left is cancelled afterwards so the next test has the CPU."""
-    burst(daemon.socket, n=8, max_tokens=1000)
+    """24 requests of 9 + 1000 tokens in a 1024-token pool: they preempt each other, and once a request
+    has been preempted max_preemptions times it runs to its end alone, so the burst lasts ~15 s here
+    (eight requests were done in 5 s); whatever is left is cancelled afterwards so the next test has
+    the CPU."""
+    burst(daemon.socket, n=24, max_tokens=1000)
     yield
     with daemon.http() as c:
         for r in in_flight(daemon):
@@ -91,6 +93,12 @@ async def test_latency_preemption_and_cancel_through_the_pilot(daemon, long_burs
 
         await pilot.press("2")
         await until(pilot, lambda: app.screen.query_one("#requests").row_count > 0, what="requests on screen")
+        # The request furthest from its end, so it is still in flight when the cancel lands (one that
+        # has used up its preemptions runs to its end alone, a 1000-token request in well under a second).
+        shown = app.screen._shown
+        app.screen.query_one("#requests").move_cursor(row=min(range(len(shown)),
+                                                               key=lambda i: shown[i]["num_output_tokens"]))
+        await pilot.pause()
         victim = app.screen.selected()["request_id"]
         await pilot.press("c")
         assert isinstance(app.screen, ConfirmScreen)

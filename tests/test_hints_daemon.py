@@ -77,7 +77,7 @@ def test_workload_fires_s7_quota_and_starvation_rules(run):
     d, hints, _, codes, _, _ = run
     assert codes.count(200) == NUM_SHORT + NUM_LONG
     want = {"preemption_off_skewed", "kv_quota_small", "starvation"}
-    wait_until(lambda: want <= set(active(d)), 30, interval=0.2, what=f"hints {want}")
+    wait_until(lambda: want <= set(active(d)), 30, interval=0.2, what=lambda: f"hints {want} (active: {sorted(active(d))})")
     # The evidence is refreshed every evaluation: wait for one that saw every request finish.
     wait_until(lambda: active(d)["preemption_off_skewed"]["evidence"]["num_requests"] == NUM_SHORT + NUM_LONG,
                30, interval=0.2, what="an evaluation after the last request")

@@ -292,6 +292,7 @@ def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs
         assert not blocks_cap or sum(r.num_device_blocks for r in s.running + s.waiting if r.tenant == "b") <= blocks_cap
         if mode == "off":
             assert all(p.kind == "recompute" for p in out.preemptions)
+        assert max((r.num_preemptions for r in requests), default=0) <= 2, "preempted past max_preemptions"
     assert s.pool.num_free == s.pool.num_blocks and not s.has_unfinished()
     assert s.host is None or s.host.num_free == s.host.num_blocks
     finished = [r for r in done if len(r.output_token_ids) >= r.params.max_tokens]

@@ -315,6 +315,7 @@ class LLMEngine:
                 preemption_on=self.scheduler.preemption_on,
                 kv_host_blocks_used=self.host_pool.num_used,
                 kv_host_blocks_total=self.host_pool.num_blocks,
+                kv_blocks_reserved=sched.kv_blocks_reserved,
             )
         )
 

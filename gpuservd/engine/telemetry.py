@@ -38,6 +38,7 @@ class StepRecord:
     preemption_on: bool = False  # displacement and the planner active at this step
     kv_host_blocks_used: int = 0  # the host swap pool
     kv_host_blocks_total: int = 0
+    kv_blocks_reserved: int = 0  # free blocks promised to requests that may not be preempted again
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -81,7 +81,8 @@ def kv_quota_small(w: Window, model: str, th: Thresholds) -> dict | None:
     steps = [s for s in w.recent_steps(model, th.step_span_s) if s.get("kv_blocks_total")]
     if len(steps) < th.min_steps:
         return None
-    use = [s["kv_blocks_used"] / s["kv_blocks_total"] for s in steps]
+    # Blocks promised to requests that may not be preempted again are as good as used for admission.
+    use = [(s["kv_blocks_used"] + s.get("kv_blocks_reserved", 0)) / s["kv_blocks_total"] for s in steps]
     full = [s for s, u in zip(steps, use) if u >= th.kv_full_share]
     full_share = len(full) / len(steps)
     waiting = mean(s["num_waiting"] for s in steps)
