@@ -148,8 +148,20 @@ void silu_mul_row<float>(const float* gate, const float* up, float* out, int64_t
 template <>
 void silu_mul_row<at::BFloat16>(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t n) {
   using namespace gpuserv_simd;
-  const __m256 one = _mm256_set1_ps(1.f);
   int64_t c = 0;
+#if GPUSERV_AVX512BF16
+  // 16 lanes with the one-instruction bf16 rounding where the CPU has AVX512_BF16: the 8-lane loop
+  // below ran at ~1 Gelem/s on 2 cores, ~6% of a 256-token bf16 prefill step.
+  if (cpu_avx512bf16()) {
+    const __m512 one16 = _mm512_set1_ps(1.f);
+    for (; c + 16 <= n; c += 16) {
+      const __m512 x = load16(gate + c);
+      const __m512 s = round_bf16_16(_mm512_div_ps(x, _mm512_add_ps(one16, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+      store16(out + c, _mm512_mul_ps(s, load16(up + c)));
+    }
+  }
+#endif
+  const __m256 one = _mm256_set1_ps(1.f);
   for (; c + 8 <= n; c += 8) {
     const __m256 x = load8(gate + c);
     const __m256 s = round_bf16(_mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))));

@@ -223,10 +223,7 @@ using ItemFn_bf16_t = ItemFn<at::BFloat16>;
 // then one reduction; the scale is applied to the fp32 score, so the products stay exact), and
 // the weighted V sum with 512-bit FMAs on V widened 16 lanes at a time, J registers per pass.
 // DZ = D / 16 (4 for head_dim 64, 8 for 128); G * J accumulators.
-inline __m512 widen16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 widen16(const at::BFloat16* p) { return gpuserv_simd::load16(p); }
 
 template <int G, int DZ, int J>
 void attend_item_dp(const Item& it, const at::BFloat16* k, const at::BFloat16* v, const Shape& sh, float* scores) {
