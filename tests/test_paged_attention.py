@@ -125,3 +125,38 @@ def test_switch_off_by_environment(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     assert cpu_kernels.get() is None
     assert cpu_kernels.status() == {"loaded": False, "reason": f"{cpu_kernels.ENV_SWITCH}=0", "build_s": None}
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_short_prefill_chunks_attend_in_the_kernel_with_the_decode_rows(kernel, dtype, atol, monkeypatch):
+    """A flat batch of decode rows, short prefill chunks (from 0 and continuing) and one chunk past
+    KERNEL_PREFILL_MAX_CTX: the kernel takes the first three kinds in one call, SDPA the long one,
+    and every row equals the all-torch path (decode groups + one SDPA per chunk)."""
+    from gpuservd.runner import attention
+    from gpuservd.runner.batch import KERNEL_PREFILL_MAX_CTX
+
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(7)
+    long_start = KERNEL_PREFILL_MAX_CTX + 40
+    spans = [(0, 1, 37), (0, 1, 300), (0, 23, 0), (0, 40, 96), (1, 64, long_start), (0, 1, 5)]  # (_, tokens, start)
+    need = [-(-(s + n) // bs) for _, n, s in spans]
+    k_cache = torch.randn(sum(need) + 3, bs, kv_heads, hd, generator=g).to(dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(dtype)
+    perm = torch.randperm(k_cache.shape[0], generator=g).tolist()
+    chunks, at = [], 0
+    for (_, n, s), nb in zip(spans, need):
+        chunks.append(SeqChunk(list(range(1, n + 1)), s, perm[at:at + nb], True))
+        at += nb
+    batch = build_batch(chunks, bs, torch.device("cpu"))
+    kinds = [m.kernel for m in batch.prefills]
+    assert kinds.count(True) == 2 and kinds.count(False) == 1
+    assert batch.num_kernel_rows == batch.num_decode + 23 + 40
+    T = batch.num_tokens
+    q = torch.randn(T, heads + kv_heads, hd, generator=g).to(dtype)[:, :heads]  # strided, as in the runner
+    k = torch.randn(T, kv_heads, hd, generator=g).to(dtype)
+    v = torch.randn(T, kv_heads, hd, generator=g).to(dtype)
+    scale = hd ** -0.5
+    got = attention.paged_attention(q, k, v, k_cache, v_cache, batch, scale)
+    monkeypatch.setattr(attention.cpu_kernels, "get", lambda: None)  # the torch path for everything
+    want = attention.paged_attention(q, k, v, k_cache, v_cache, batch, scale, store_kv=False)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0 if dtype != torch.float32 else 1e-5)
