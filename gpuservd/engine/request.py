@@ -71,9 +71,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence in the engine. The scheduler owns its state changes."""
+    """One sequence in the engine. The scheduler owns its state changes.
+
+    Compared by identity (eq=False): the queues test membership (`r in self.running`) every step, and
+    the generated field-by-field __eq__ made that ~1.9 ms of a 64-sequence decode step."""
 
     request_id: str
     prompt_token_ids: list[int]
