@@ -97,3 +97,18 @@ def test_model_with_and_without_kernels_agree(ops, tmp_path, dtype):
         logits.append(torch.cat(out))
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == "float32" else dict(atol=0.08, rtol=0)
     torch.testing.assert_close(logits[0], logits[1], **tol)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 49152])
+def test_argmax_rows_matches_torch_including_ties_and_nan(ops, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    if n > 3:
+        x[1, :] = 0.5  # all equal: the first index
+        x[2, n // 2] = x[2, n - 1] = 99.0  # a tie: the first of the two
+        x[3, n - 1] = float("nan")  # NaN in the tail (past the vector loop)
+        x[4, 1] = float("nan")  # NaN in the first vector, bigger values later
+        x[4, n - 2] = 1e9
+        x[5] = float("-inf")
+        x[5, n - 1] = -1e30
+    assert ops.argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from gpuservd.engine.request import Request
+from gpuservd.runner import cpu_kernels
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -27,9 +28,19 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """torch.argmax(logits, -1), through the CPU kernel where there is one (torch's read SmolLM2's
+    [64, 49152] logits at ~2 GB/s: 1.5 ms of a decode step)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        ops = cpu_kernels.get()
+        if ops is not None:
+            return ops.argmax_rows(logits).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """One token per row of logits [S, V] (fp32), for the matching requests."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    greedy = _argmax(logits) if any(r.params.greedy for r in requests) else []
     out = []
     for row, req in enumerate(requests):
         p = req.params

@@ -50,6 +50,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
   return _mm_cvtss_f32(s);
 }
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 0x55));
+  return _mm_cvtss_f32(s);
+}
 // exp(x) (Cephes-style: 2^n * polynomial), relative error ~1e-7; x is clamped to [-87.3, 88.3].
 inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3f);
