@@ -73,8 +73,10 @@ def test_short_request_displaces_long_one_and_everyone_finishes(daemon):
     assert st["preemption"]["mode"] == "on" and st["preemption"]["host_blocks_used"] == 0
     assert st["preemption"]["costs"]["host_bandwidth"] > 0  # measured, not assumed
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st["preemption"]["num_pinned"] == 0 and st["preemption"]["kv_blocks_reserved"] == 0  # all finished
     with daemon.http() as c:
         text = c.get("/metrics").text
+    assert 'gpuserv_kv_blocks{model_name="tiny",state="reserved"} 0.0' in text
     assert 'gpuserv_preemptions_total{kind="swap",model_name="tiny",reason="displaced"}' in text
     out_bytes = [line for line in text.splitlines()
                  if line.startswith('gpuserv_kv_swap_bytes_total{direction="out"')]

@@ -318,3 +318,26 @@ def test_paused_requests_blocks_do_not_starve_the_running_one():
         step += 1
         assert step < 500, "two paused requests took turns forever"
     assert s.pool.num_free == s.pool.num_blocks
+
+
+def test_pinned_request_keeps_its_growth_free_of_admissions():
+    """A running request preempted max_preemptions times will still grow to prompt + max_tokens: those
+    blocks are reserved, so a newcomer that would take them waits, and the pinned request never needs a
+    victim (it could not have one without breaking the aging bound)."""
+    s = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, preemption=PreemptionConfig(max_preemptions=1))
+    pinned = Request("p", [5] * 4, SamplingParams(max_tokens=20), arrival_time=0)  # 23 tokens of KV: 6 blocks
+    s.add(pinned)
+    done = []
+    run_step(s, done)
+    pinned.num_preemptions = 1
+    assert s.is_pinned(pinned) and s.reserved_blocks() == 6 - len(pinned.block_ids)
+    s.add(Request("n", [5] * 20, SamplingParams(max_tokens=4), arrival_time=1))  # needs 5 blocks now; 4 are not reserved
+    out = run_step(s, done)
+    assert [c.request.request_id for c in out.chunks] == ["p"] and out.kv_blocks_reserved == 4
+    while pinned not in done:
+        out = run_step(s, done)
+        assert not out.preempted_ids
+    s.add(Request("m", [5] * 16, SamplingParams(max_tokens=4), arrival_time=2))
+    while s.has_unfinished():
+        run_step(s, done)  # the newcomers run once the pinned request is done
+    assert {r.request_id for r in done} == {"p", "n", "m"} and s.pool.num_free == 10

@@ -178,7 +178,9 @@ class _SnapshotCollector:
             usage.add_metric([name], frac)
             gpu_usage.add_metric([name], frac)
             blocks.add_metric([name, "used"], s.kv_blocks_used)
-            blocks.add_metric([name, "free"], s.kv_blocks_total - s.kv_blocks_used)
+            reserved = (s.preemption or {}).get("kv_blocks_reserved", 0)
+            blocks.add_metric([name, "free"], s.kv_blocks_total - s.kv_blocks_used - reserved)
+            blocks.add_metric([name, "reserved"], reserved)  # free, kept for pinned requests' growth
             beat.add_metric([name], now - s.heartbeat)
             errors.add_metric([name], s.num_engine_errors)
         yield from (running, waiting, usage, gpu_usage, blocks, in_flight, queued, state, beat, errors)

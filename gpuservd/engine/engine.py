@@ -194,6 +194,10 @@ class LLMEngine:
                 "host_blocks_used": self.host_pool.num_used, "host_blocks_total": self.host_pool.num_blocks,
                 "num_swapped": sum(r.state is RequestState.SWAPPED for r in sc.waiting),
                 "num_suspended": len(self._suspended.requests) if self._suspended else 0,
+                # Requests preempted max_preemptions times (never chosen again) and the free blocks kept
+                # for their growth: why requests may wait while kv_blocks_free is not 0.
+                "num_pinned": sum(sc.is_pinned(r) for r in sc.running + sc.waiting),
+                "kv_blocks_reserved": sc.reserved_blocks(),
                 "costs": sc.cost.to_dict()}
 
     def set_tenant_quotas(self, quotas: dict[str, TenantQuota]) -> None:

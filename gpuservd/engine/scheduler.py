@@ -170,7 +170,7 @@ class Scheduler:
         return True
 
     # -- aging: requests that may not be preempted again run to their end ---
-    def _pinned(self, r: Request) -> bool:
+    def is_pinned(self, r: Request) -> bool:
         """Preempted max_preemptions times: never chosen again, so its KV must always fit."""
         return r.num_preemptions >= self.preemption.max_preemptions
 
@@ -178,13 +178,13 @@ class Scheduler:
         """Device blocks r holds at its longest (every token but the last sampled one has KV)."""
         return -(-(r.num_prompt_tokens + r.params.max_tokens - 1) // self.block_size)
 
-    def _reserved_blocks(self, tenant: str | None = None) -> int:
+    def reserved_blocks(self, tenant: str | None = None) -> int:
         """Blocks the running pinned requests will still allocate. Admission leaves them free, so a
         pinned request never needs a victim it may not have (it would have to break the aging bound,
         or the engine would stall): issue 3 promises no request is preempted more than
         max_preemptions times."""
         return sum(max(0, self._total_blocks(r) - len(r.block_ids)) for r in self.running
-                   if self._pinned(r) and tenant in (None, r.tenant))
+                   if self.is_pinned(r) and tenant in (None, r.tenant))
 
     def quota(self, tenant: str) -> TenantQuota:
         return self.quotas.get(tenant, UNLIMITED)
@@ -277,9 +277,9 @@ class Scheduler:
             return False
         if not q.max_kv_blocks:
             return True
-        if self._pinned(r):  # the same run-to-the-end rule as admission, within the tenant's blocks
+        if self.is_pinned(r):  # the same run-to-the-end rule as admission, within the tenant's blocks
             extra_blocks = max(extra_blocks, self._total_blocks(r) - r.num_device_blocks)
-        return blocks.get(r.tenant, 0) + extra_blocks + self._reserved_blocks(r.tenant) <= q.max_kv_blocks
+        return blocks.get(r.tenant, 0) + extra_blocks + self.reserved_blocks(r.tenant) <= q.max_kv_blocks
 
     def _order_waiting(self, seqs: dict[str, int]) -> None:
         """Priority first; then, with preemption on, the shortest remaining estimate; tenants of
@@ -314,7 +314,7 @@ class Scheduler:
         out.num_running = len(self.running)
         out.num_waiting = len(self.waiting)
         out.kv_blocks_used = self.pool.num_used
-        out.kv_blocks_reserved = self._reserved_blocks()
+        out.kv_blocks_reserved = self.reserved_blocks()
         out.kv_blocks_total = self.pool.num_blocks
         out.chunks.sort(key=lambda c: c.num_tokens != 1)
         out.decision_s = time.perf_counter() - t0
@@ -348,7 +348,7 @@ class Scheduler:
         max_num_prefill_seqs victims a step)."""
         cfg = self.config
         slots = cfg.max_num_seqs - len(self.running)
-        reserved = 0
+        reserved = self.reserved_blocks()  # pinned requests' growth, then what earlier waiters will take
         victims_left = cfg.max_num_prefill_seqs
         for w in list(self.waiting):
             if w.request_id in out.preempted_ids:
@@ -376,7 +376,7 @@ class Scheduler:
         scheduled: set[int] = set()
         # Pinned requests first: a block they need comes from the free pool or from a request that
         # may still be preempted, never from one already scheduled this step.
-        for req in sorted(self.running, key=lambda r: not self._pinned(r)):
+        for req in sorted(self.running, key=lambda r: not self.is_pinned(r)):
             if token_budget <= 0:
                 break
             if req not in self.running:
@@ -443,7 +443,7 @@ class Scheduler:
         seqs, blocks = self._tenant_usage()
         usable = self._usable_blocks()
         just_preempted = set(out.preempted_ids)
-        reserved = self._reserved_blocks()
+        reserved = self.reserved_blocks()
         for req in list(self.waiting):
             if (token_budget <= 0 or prefill_budget <= 0 or prefill_seqs >= cfg.max_num_prefill_seqs
                     or len(self.running) >= cfg.max_num_seqs):
@@ -457,7 +457,7 @@ class Scheduler:
                 continue  # over its tenant's quota: waits without blocking others
             room = (usable if self.running else self.pool.capacity) - self.pool.num_used - reserved
             # A pinned request comes back only when all it will ever need fits beside the others' reserves.
-            pinned = self._pinned(req)
+            pinned = self.is_pinned(req)
             fit = max(need, self._total_blocks(req) - req.num_device_blocks) if pinned else need
             if fit > room and not self._reclaim_from_waiting(req, fit - room, just_preempted):
                 return  # the pool is full: this request and those after it wait
