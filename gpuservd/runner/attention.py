@@ -129,27 +129,22 @@ def paged_attention(
     token; returns [T, heads, hd]."""
     if store_kv:
         write_kv(k_cache, v_cache, k, v, batch)
-    nk = batch.num_kernel_rows
-    ops = cpu_kernels.get() if nk and q.device.type == "cpu" else None
+    # The leading rows in one call: on the CPU with the kernel, the decode rows and the short prefill
+    # chunks (batch.py: KERNEL_PREFILL_MAX_CTX); otherwise the decode rows. Other chunks attend one by one.
+    ops = cpu_kernels.get() if batch.num_kernel_rows and q.device.type == "cpu" else None
     if ops is not None:
-        # Decode rows and short prefill chunks in one kernel call (batch.py: KERNEL_PREFILL_MAX_CTX).
-        rows = ops.paged_decode(q[:nk], k_cache, v_cache, batch.kernel_block_table, batch.kernel_ctx_lens, scale)
-        if nk == q.shape[0]:
-            return rows
-        out = torch.empty_like(q)
-        out[:nk] = rows
-        for meta in batch.prefills:
-            if not meta.kernel:
-                sl = slice(meta.q_start, meta.q_start + meta.q_len)
-                out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, meta, scale)
-        return out
-    nd = batch.num_decode
-    if not batch.prefills:
-        return decode_attention(q, k_cache, v_cache, batch, scale)
+        head = batch.num_kernel_rows
+        rows = ops.paged_decode(q[:head], k_cache, v_cache, batch.kernel_block_table, batch.kernel_ctx_lens, scale)
+    else:
+        head = batch.num_decode
+        rows = decode_attention(q[:head], k_cache, v_cache, batch, scale) if head else None
+    if head == q.shape[0]:
+        return rows
     out = torch.empty_like(q)
-    if nd:
-        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch, scale)
+    if head:
+        out[:head] = rows
     for meta in batch.prefills:
-        sl = slice(meta.q_start, meta.q_start + meta.q_len)
-        out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, meta, scale)
+        if ops is None or not meta.kernel:
+            sl = slice(meta.q_start, meta.q_start + meta.q_len)
+            out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, meta, scale)
     return out
