@@ -31,3 +31,11 @@ def test_cache_sized_from_budget():
     assert cache.layer(3)[0].shape == (100, 16, 3, 64)
     with pytest.raises(ValueError, match="holds no block"):
         KVCache.from_budget(shape, 10, torch.device("cpu"))
+
+
+def test_host_runs_merge_consecutive_whole_blocks_only():
+    from gpuservd.kv_cache.swap import host_runs
+
+    assert host_runs([4, 5, 6, 9, 10, 2], whole=True) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert host_runs([4, 5, 6], whole=False) == [(0, 4, 1), (1, 5, 1), (2, 6, 1)]
+    assert host_runs([], whole=True) == []

@@ -24,6 +24,7 @@ class LlamaShape:
     num_attention_heads: int = 16
     num_key_value_heads: int = 4
     vocab_size: int = 49152
+    torch_dtype: str = "float32"  # as written to the store
 
     def num_parameters(self) -> int:
         h, kv = self.hidden_size, self.hidden_size * self.num_key_value_heads // self.num_attention_heads
@@ -34,7 +35,11 @@ class LlamaShape:
 # SmolLM2-135M's shape: a stand-in for it where it cannot be pulled (a GPU machine without network).
 SMOLLM2_SHAPE = LlamaShape(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                            num_key_value_heads=3, vocab_size=49152)
-RANDOM_MODELS = {"isolation-big": LlamaShape(), "isolation-small": SMOLLM2_SHAPE}
+# TinyLlama-1.1B's shape (SmolLM2's vocabulary), stored in bf16 like most released checkpoints: a cold
+# load big enough that reading it from the disk takes longer than the engine's own set-up.
+COLD_1B_SHAPE = LlamaShape(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, vocab_size=49152, torch_dtype="bfloat16")
+RANDOM_MODELS = {"isolation-big": LlamaShape(), "isolation-small": SMOLLM2_SHAPE, "cold-1b": COLD_1B_SHAPE}
 
 
 def _byte_level_tokenizer(path) -> None:
@@ -81,17 +86,19 @@ def ensure_random_llama(store, name: str, shape: LlamaShape, tokenizer_from: str
             base = {"bos_token_id": 1, "eos_token_id": 2}
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-                  "tie_word_embeddings": True, "torch_dtype": "float32",
+                  "tie_word_embeddings": True,
                   "bos_token_id": base.get("bos_token_id", 1), "eos_token_id": base.get("eos_token_id", 2),
                   **shape.__dict__}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         g = torch.Generator().manual_seed(seed)
         h, kv = shape.hidden_size, shape.hidden_size * shape.num_key_value_heads // shape.num_attention_heads
 
-        def w(*size):
-            return torch.randn(*size, generator=g).mul_(0.02)
+        dtype = getattr(torch, shape.torch_dtype)
 
-        tensors = {"model.embed_tokens.weight": w(shape.vocab_size, h), "model.norm.weight": torch.ones(h)}
+        def w(*size):
+            return torch.randn(*size, generator=g).mul_(0.02).to(dtype)
+
+        tensors = {"model.embed_tokens.weight": w(shape.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
         for i in range(shape.num_hidden_layers):
             p = f"model.layers.{i}."
             tensors.update({p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
@@ -99,7 +106,7 @@ def ensure_random_llama(store, name: str, shape: LlamaShape, tokenizer_from: str
                           p + "mlp.gate_proj.weight": w(shape.intermediate_size, h),
                           p + "mlp.up_proj.weight": w(shape.intermediate_size, h),
                           p + "mlp.down_proj.weight": w(h, shape.intermediate_size),
-                          p + "input_layernorm.weight": torch.ones(h),
-                          p + "post_attention_layernorm.weight": torch.ones(h)})
+                          p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+                          p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)})
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return name

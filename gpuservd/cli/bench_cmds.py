@@ -111,12 +111,16 @@ def cold_start(
     repeats: int = typer.Option(3, "--repeats", min=1, help="Runs per strategy (interleaved; medians reported)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cold-<model>)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
 ) -> None:
-    """Cold time to first token from disk: full vs layered vs layered + INT8 (M4, M5), and INT8 quality."""
+    """Cold time to first token from disk: full vs layered vs layered + INT8 (M4, M5), and INT8 quality.
+    --model isolation-small is SmolLM2's shape with random weights (made on first use) where SmolLM2
+    cannot be pulled."""
     from gpuservd.bench.cold import markdown, run_cold_start
 
     result = run_cold_start(model, run_dir(out, f"cold-{model}"), prompt_tokens, initial_layers, repeats, threads,
-                            log=lambda m: typer.echo(m, err=True))
+                            log=lambda m: typer.echo(m, err=True), device=device, dtype=dtype)
     typer.echo(markdown(result))
 
 

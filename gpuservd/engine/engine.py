@@ -226,10 +226,8 @@ class LLMEngine:
         forward_s = 0.0
         outputs: list[RequestOutput] = []
         ts = time.perf_counter()
-        self.swapper.execute(sched.moves)
+        self.swapper.execute(sched.moves)  # CUDA: enqueued; swap-outs' host copies run beside the forward
         swap_s = time.perf_counter() - ts
-        for m in sched.moves:
-            self.scheduler.cost.observe_copy(m.bytes_moved, m.bytes_parked, m.seconds)
         if not sched.empty:
             chunks = [
                 SeqChunk(
@@ -251,6 +249,9 @@ class LLMEngine:
                 if sched.num_prefill_tokens >= 4 * sched.num_decode_tokens:
                     self.scheduler.cost.observe_prefill(sched.num_prefill_tokens, forward_s)
                 outputs = self._update(sched, result)
+        self.swapper.finish()  # CUDA: the copies' seconds (their own time on the streams)
+        for m in sched.moves:
+            self.scheduler.cost.observe_copy(m.bytes_moved, m.bytes_parked, m.seconds)
         self._record(sched, t0, forward_s, swap_s, outputs)
         return carried + outputs
 

@@ -7,8 +7,9 @@ blocks are really free for others. Resume does the reverse into fresh device
 blocks. Every move is a `KVMove`, planned by the scheduler and executed here in
 plan order before the step's forward (a block freed by a swap-out may be
 written by the same step's forward). On CUDA the host pool is pinned and the
-copies run on a side stream that the compute stream waits on; on the CPU they
-are plain copies between two tensors.
+copies run on side streams: the forward waits for the device-side part of the
+moves, and the swap-outs' copies to the host run beside it (`Swapper`); on
+the CPU they are plain copies between two tensors.
 """
 
 from __future__ import annotations
@@ -58,14 +59,18 @@ def num_park_blocks(num_layers: int, keep: int, n: int) -> int:
 
 
 class HostKVPool:
-    """Host-side KV blocks, same block shape as the device cache."""
+    """Host-side KV blocks, same block shape as the device cache.
+
+    Block-major ([block, layer, k|v, slot, head, dim]): each host block's layers are one contiguous
+    run of bytes, so on CUDA a block's copy is one DMA straight into pinned memory, which can run
+    asynchronously (a copy into a strided host view could not)."""
 
     def __init__(self, shape: CacheShape, budget_bytes: int, pin: bool):
         self.shape = shape
         self.num_blocks = budget_bytes // shape.bytes_per_block
         self.pool = BlockPool(self.num_blocks) if self.num_blocks else None
         self.kv = torch.zeros(
-            (shape.num_layers, 2, self.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+            (self.num_blocks, shape.num_layers, 2, shape.block_size, shape.num_kv_heads, shape.head_dim),
             dtype=shape.dtype,
             pin_memory=pin,
         )
@@ -86,8 +91,45 @@ class HostKVPool:
             self.pool.free(block_ids)
 
 
+def host_runs(host_blocks: list[int], whole: bool) -> list[tuple[int, int, int]]:
+    """(index into the move's blocks, first host block, count) per copy: runs of consecutive host blocks
+    when whole blocks travel (a run is one contiguous range of the block-major pool), else one block
+    each (some layers of a block are contiguous, but not across blocks). Each copy costs the host an
+    enqueue (~10 us): a 16k-token swap-out as 1024 copies spent more time on the CPU than its DMA."""
+    runs: list[tuple[int, int, int]] = []
+    for i, hb in enumerate(host_blocks):
+        if whole and runs and runs[-1][1] + runs[-1][2] == hb:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, hb, 1))
+    return runs
+
+
+def _to_block_major(t: torch.Tensor) -> torch.Tensor:
+    """[layer, k|v, block, ...] -> [block, layer, k|v, ...] (a view)."""
+    return t.permute(2, 0, 1, 3, 4, 5)
+
+
+def _to_layer_major(t: torch.Tensor) -> torch.Tensor:
+    """[block, layer, k|v, ...] -> [layer, k|v, block, ...] (a view)."""
+    return t.permute(1, 2, 0, 3, 4, 5)
+
+
 class Swapper:
-    """Executes KVMoves between a device KVCache and a HostKVPool."""
+    """Executes KVMoves between a device KVCache and a HostKVPool.
+
+    On the CPU, `execute` copies and returns with each move's bytes and seconds filled. On CUDA it
+    only enqueues, so the copies run beside the step's forward:
+      - the swap stream waits for the compute stream (the last forward wrote the blocks), then in
+        plan order gathers each swap-out's device blocks into a staging tensor, parks / unparks,
+        and brings each swap-in's host blocks in (pinned -> device) and scatters them;
+      - the compute stream waits for that (the forward may write the blocks a swap-out freed, and
+        reads the blocks a swap-in filled), but not for the swap-outs' device -> host copies, which
+        run on a third stream from the staging tensors into pinned host blocks while the forward runs;
+      - `finish()`, called after the forward, waits for those copies and fills each move's seconds
+        from CUDA events (the copy's own time on its streams, not the host's enqueue time).
+    A later swap-in of host blocks still in flight is ordered after their copy (the swap stream
+    waits for the copy stream first)."""
 
     def __init__(self, cache: KVCache, host: HostKVPool):
         self.cache = cache
@@ -95,53 +137,113 @@ class Swapper:
         self.num_layers = cache.shape.num_layers
         self._layer_bytes = cache.shape.bytes_per_block // cache.shape.num_layers  # one layer of one block
         self._cuda = cache.kv.is_cuda
-        self._stream = torch.cuda.Stream(device=cache.kv.device) if self._cuda else None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=cache.kv.device)  # gathers, parking, swap-ins
+            self._d2h = torch.cuda.Stream(device=cache.kv.device)  # swap-outs' device -> host copies
+        self._pending: list[tuple[KVMove, object, object]] = []  # CUDA: (move, start event, end event)
 
     def execute(self, moves: list[KVMove]) -> None:
-        """Run the moves in order; fills each move's bytes and seconds."""
+        """Run (CPU) or enqueue (CUDA) the moves in order. On the CPU each move's seconds are filled
+        here; on CUDA by `finish()`."""
         if not moves:
             return
-        if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        for m in moves:
-            t0 = time.perf_counter()
-            if self._cuda:
-                with torch.cuda.stream(self._stream):
-                    self._run(m)
-                self._stream.synchronize()  # seconds must be the copy's, and its blocks are reused next
-            else:
-                self._run(m)
-            m.seconds = time.perf_counter() - t0
+        if not self._cuda:
+            for m in moves:
+                t0 = time.perf_counter()
+                self._run_cpu(m)
+                m.seconds = time.perf_counter() - t0
+            return
+        compute = torch.cuda.current_stream(self.cache.kv.device)
+        self._stream.wait_stream(compute)
+        self._stream.wait_stream(self._d2h)  # host blocks written by earlier swap-outs are complete
+        with torch.cuda.stream(self._stream):
+            for m in moves:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)
+                self._run_cuda(m, end)
+                self._pending.append((m, start, end))
+        compute.wait_stream(self._stream)
 
-    def _run(self, m: KVMove) -> None:
+    def finish(self) -> None:
+        """CUDA: wait for the swap-outs' copies to the host and fill every enqueued move's seconds.
+        A no-op on the CPU and when nothing is pending."""
+        if not self._pending:
+            return
+        self._d2h.synchronize()
+        self._stream.synchronize()
+        for m, start, end in self._pending:
+            m.seconds = start.elapsed_time(end) / 1000.0
+        self._pending.clear()
+
+    def _park(self, m: KVMove, keep: int, index_device) -> None:
+        """Partial swap: pack (out) or unpack (in) the kept layers. Gathered into a temporary first,
+        so overlapping slabs are safe."""
         dev = self.cache.kv
-        host = self.host.kv
-        h = m.num_host_layers
-        keep = self.num_layers - h
-        dev_idx = torch.tensor(m.device_blocks, dtype=torch.long, device=dev.device)
-        host_idx = torch.tensor(m.host_blocks, dtype=torch.long)
-        nb = self._cuda
+        sl, sb, dl, db = (t.to(index_device) for t in park_slots(self.num_layers, keep, m.device_blocks,
+                                                                 m.park_blocks))
         if m.direction == "out":
-            if h:
-                moved = dev[:h].index_select(2, dev_idx)
-                host[:h].index_copy_(2, host_idx, moved.to("cpu", non_blocking=nb))
-            if keep:
-                sl, sb, dl, db = (t.to(dev.device) for t in park_slots(self.num_layers, keep, m.device_blocks,
-                                                                      m.park_blocks))
-                dev[dl, :, db] = dev[sl, :, sb]  # gathered into a temporary first: overlapping slabs are safe
+            dev[dl, :, db] = dev[sl, :, sb]
         else:
-            if keep:
-                sl, sb, dl, db = (t.to(dev.device) for t in park_slots(self.num_layers, keep, m.device_blocks,
-                                                                      m.park_blocks))
-                # Unpark before the host layers land: the parked slabs sit in layers < h of the park
-                # blocks, which are the first blocks of the new table. Gathered first, so overlap is safe.
-                dev[sl, :, sb] = dev[dl, :, db]
-            if h:
-                back = host[:h].index_select(2, host_idx).to(dev.device, non_blocking=nb)
-                dev[:h].index_copy_(2, dev_idx, back)
+            # Unpark before the host layers land: the parked slabs sit in layers < h of the park
+            # blocks, which are the first blocks of the new table.
+            dev[sl, :, sb] = dev[dl, :, db]
+
+    def _account(self, m: KVMove, h: int, keep: int) -> None:
         n = len(m.device_blocks)
         m.bytes_moved = n * h * self._layer_bytes
         m.bytes_parked = 2 * n * keep * self._layer_bytes  # read + write
+
+    def _run_cpu(self, m: KVMove) -> None:
+        dev, host = self.cache.kv, self.host.kv
+        h = m.num_host_layers
+        keep = self.num_layers - h
+        dev_idx = torch.tensor(m.device_blocks, dtype=torch.long)
+        host_idx = torch.tensor(m.host_blocks, dtype=torch.long)
+        if m.direction == "out":
+            if h:
+                host[:, :h].index_copy_(0, host_idx, _to_block_major(dev[:h].index_select(2, dev_idx)))
+            if keep:
+                self._park(m, keep, "cpu")
+        else:
+            if keep:
+                self._park(m, keep, "cpu")
+            if h:
+                dev[:h].index_copy_(2, dev_idx, _to_layer_major(host[:, :h].index_select(0, host_idx)))
+        self._account(m, h, keep)
+
+    def _run_cuda(self, m: KVMove, end) -> None:
+        """Enqueue one move on the swap stream (and, for a swap-out's host copy, the copy stream);
+        records `end` where the move's last copy is enqueued."""
+        dev, host = self.cache.kv, self.host.kv
+        h = m.num_host_layers
+        keep = self.num_layers - h
+        dev_idx = torch.tensor(m.device_blocks, dtype=torch.long).to(dev.device, non_blocking=True)
+        if m.direction == "out":
+            staged = None
+            if h:  # staged before parking: parking may overwrite these blocks' low layers
+                staged = _to_block_major(dev[:h].index_select(2, dev_idx)).contiguous()
+            if keep:
+                self._park(m, keep, dev.device)
+            if staged is not None:
+                self._d2h.wait_stream(self._stream)
+                with torch.cuda.stream(self._d2h):
+                    for i, hb, k in host_runs(m.host_blocks, whole=h == self.num_layers):
+                        host[hb:hb + k, :h].copy_(staged[i:i + k], non_blocking=True)
+                    staged.record_stream(self._d2h)  # its memory is not reused before the copies end
+                    end.record(self._d2h)
+            else:
+                end.record(self._stream)
+        else:
+            if keep:
+                self._park(m, keep, dev.device)
+            if h:
+                staged = torch.empty((len(m.host_blocks), h) + tuple(host.shape[2:]), dtype=host.dtype,
+                                     device=dev.device)
+                for i, hb, k in host_runs(m.host_blocks, whole=h == self.num_layers):
+                    staged[i:i + k].copy_(host[hb:hb + k, :h], non_blocking=True)
+                dev[:h].index_copy_(2, dev_idx, _to_layer_major(staged))
+            end.record(self._stream)
+        self._account(m, h, keep)
 
     def probe_bandwidth(self, num_blocks: int = 4) -> float | None:
         """Device -> host -> device copy bandwidth in bytes/s on spare blocks, or None if none are spare."""
@@ -153,7 +255,9 @@ class Swapper:
         try:
             moves = [KVMove("probe", "out", dev, hst, self.num_layers), KVMove("probe", "in", dev, hst, self.num_layers)]
             self.execute(moves)
+            self.finish()
             self.execute(moves)  # the first pass pays for page faults
+            self.finish()
             secs = sum(m.seconds for m in moves)
             return sum(m.bytes_moved for m in moves) / secs if secs > 0 else None
         finally:

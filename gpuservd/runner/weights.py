@@ -154,22 +154,82 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Te
     return t.to(device=device, dtype=dtype).contiguous()
 
 
-def load_layer(reader: SafetensorsReader, arch: ModelArch, i: int, dtype, device, onednn: bool) -> LayerWeights:
-    """Read and fuse one decoder layer."""
+class Upload:
+    """How one load's tensors reach the device.
+
+    CPU (the device tier is RAM): read, concatenate, cast. CUDA: each tensor is gathered into pinned
+    host memory and copied on a side stream, so the copies run beside the forward of a layered
+    load's first layers; a source that holds INT8 (`get_stored` returns a QTensor: the INT8 file,
+    a compressed host copy) sends its int8 bytes and scales, and they are expanded to the compute
+    dtype on the GPU (a quarter of fp32's bytes cross the link). Outputs are allocated on the
+    caller's stream, so the compute stream owns their memory. `wait()` returns once every copy
+    enqueued so far has landed; a layer is marked ready only after it."""
+
+    def __init__(self, reader, device: torch.device):
+        self.reader = reader
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._held: list[torch.Tensor] = []  # pinned sources of copies in flight
+
+    def tensor(self, names, dtype: torch.dtype) -> torch.Tensor:
+        """The named tensors, concatenated along dim 0 (fused q/k/v, gate/up), on the device in dtype."""
+        names = [names] if isinstance(names, str) else list(names)
+        if not self.cuda:
+            parts = [self.reader.get(n) for n in names]
+            return _cast(parts[0] if len(parts) == 1 else torch.cat(parts), dtype, self.device)
+        stored = getattr(self.reader, "get_stored", self.reader.get)
+        parts = [stored(n) for n in names]
+        from gpuservd.weights.quant import QTensor
+
+        if all(isinstance(p, QTensor) for p in parts):
+            q, scale = self._send([p.q for p in parts]), self._send([p.scale for p in parts])
+            out = torch.empty(q.shape, dtype=dtype, device=self.device)
+            with torch.cuda.stream(self.stream):
+                out.copy_(q.to(torch.float32) * scale[:, None])
+            return out
+        parts = [p.dequantize(torch.float32) if isinstance(p, QTensor) else p for p in parts]
+        src = self._pinned(parts)
+        out = torch.empty(src.shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out.copy_(src, non_blocking=True)
+        return out
+
+    def _pinned(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+        buf = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
+        torch.cat(parts, out=buf) if len(parts) > 1 else buf.copy_(parts[0])
+        self._held.append(buf)
+        return buf
+
+    def _send(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Raw bytes to the device on the side stream (an intermediate of the side stream's own)."""
+        src = self._pinned(parts)
+        with torch.cuda.stream(self.stream):
+            return src.to(self.device, non_blocking=True)
+
+    def wait(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+            self._held.clear()
+
+
+def load_layer(up: Upload, arch: ModelArch, i: int, dtype, onednn: bool) -> LayerWeights:
+    """Read and fuse one decoder layer (its copies may still be in flight on CUDA: `up.wait()`)."""
     p = f"model.layers.{i}."
 
     def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear:
-        w = _cast(torch.cat([reader.get(p + n) for n in names]), dtype, device)
-        b = _cast(torch.cat([reader.get(p + n) for n in bias]), dtype, device) if bias else None
+        w = up.tensor([p + n for n in names], dtype)
+        b = up.tensor([p + n for n in bias], dtype) if bias else None
         return Linear(w, b, onednn)
 
     qkv_names = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
     qkv_bias = tuple(f"self_attn.{n}_proj.bias" for n in "qkv") if arch.qkv_bias else ()
     return LayerWeights(
-        input_norm=_cast(reader.get(p + "input_layernorm.weight"), dtype, device),
+        input_norm=up.tensor(p + "input_layernorm.weight", dtype),
         qkv=lin(*qkv_names, bias=qkv_bias),
         o_proj=lin("self_attn.o_proj.weight"),
-        post_norm=_cast(reader.get(p + "post_attention_layernorm.weight"), dtype, device),
+        post_norm=up.tensor(p + "post_attention_layernorm.weight", dtype),
         gate_up=lin("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         down=lin("mlp.down_proj.weight"),
     )
@@ -201,20 +261,23 @@ def load_weights(
     if onednn is None:
         onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
-    embed = _cast(reader.get("model.embed_tokens.weight"), dtype, device)
+    up = Upload(reader, device)
+    embed = up.tensor("model.embed_tokens.weight", dtype)
     tied = not (reader.has("lm_head.weight") and not arch.tie_word_embeddings)
     if not tied:
-        lm_head = Linear(_cast(reader.get("lm_head.weight"), dtype, device), None, onednn)
+        lm_head = Linear(up.tensor("lm_head.weight", dtype), None, onednn)
     else:
         lm_head = Linear(embed, None, onednn)
         if lm_head.packed is not None:
             embed = None  # one copy: the packed head; embedding rows are read out of it
-    final_norm = _cast(reader.get("model.norm.weight"), dtype, device)
+    final_norm = up.tensor("model.norm.weight", dtype)
+    up.wait()
     n = arch.num_layers
 
     def load(i: int) -> LayerWeights:
         t0 = time.perf_counter()
-        lw = load_layer(reader, arch, i, dtype, device, onednn)
+        lw = load_layer(up, arch, i, dtype, onednn)
+        up.wait()
         if on_layer is not None:
             on_layer(i, time.perf_counter() - t0)
         return lw

@@ -62,6 +62,13 @@ class HostCopy:
             raise StoreCorrupt(f"{self.model}: tensor {name!r} is not in its host copy")
         return t.dequantize(torch.float32) if isinstance(t, QTensor) else t
 
+    def get_stored(self, name: str):
+        """As held: a QTensor when compressed (the loader expands it on the device), else the tensor."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise StoreCorrupt(f"{self.model}: tensor {name!r} is not in its host copy")
+        return t
+
     def bytes_of(self, name: str) -> int:
         t = self.tensors[name]
         return t.nbytes if isinstance(t, QTensor) else t.numel() * t.element_size()

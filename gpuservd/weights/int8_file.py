@@ -68,6 +68,14 @@ class Int8Reader:
         key = name + ".q" if name in self._q else name
         return list(self._f.get_slice(key).get_shape())
 
+    def get_stored(self, name: str):
+        """As stored: a QTensor for an INT8 matrix (expanded on the device by the loader), else the tensor."""
+        if name in self._q:
+            qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"))
+            self.bytes_read += qt.nbytes
+            return qt
+        return self.get(name)
+
     def get(self, name: str) -> torch.Tensor:
         if name in self._q:
             qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"))

@@ -1,0 +1,106 @@
+"""The engine on a CUDA device: the same tokens as on the CPU, and the CUDA-only paths (asynchronous
+swap copies on side streams, layered loading through pinned buffers on a side stream, INT8 expanded
+on the GPU) keep every run exact. Skipped where torch sees no CUDA device (CI, the CPU build); run
+on a GPU machine with `pytest tests/test_cuda.py` (scripts/device_run.sh does)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+from gpuservd.engine.request import SamplingParams  # noqa: E402
+from test_preemption import PARAMS, engine, prompts, run  # noqa: E402
+
+CUDA = "cuda:0"
+
+
+def test_greedy_tokens_and_logits_match_the_cpu(tiny_model_dir):
+    from gpuservd.runner.batch import SeqChunk
+
+    cpu, gpu = engine(tiny_model_dir, mode="off"), engine(tiny_model_dir, device=CUDA, mode="off")
+    assert gpu.runner.cache.kv.is_cuda
+    ps = prompts()
+    params = SamplingParams(max_tokens=12, **PARAMS)
+    assert gpu.generate(ps, params) == cpu.generate(ps, params)
+    p = ps[-1]
+    blocks = list(range(-(-len(p) // 4)))
+    a = cpu.runner.execute([SeqChunk(p, 0, blocks, True)])
+    b = gpu.runner.execute([SeqChunk(p, 0, blocks, True)]).cpu()
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["swap", "partial_swap", "recompute"])
+def test_preemption_under_memory_pressure_is_exact(tiny_model_dir, kind):
+    ref = engine(tiny_model_dir, device=CUDA, mode="off").generate(prompts(), SamplingParams(max_tokens=12, **PARAMS))
+    eng = engine(tiny_model_dir, num_blocks=16, device=CUDA, mode="on", kind=kind, partial_keep_fraction=0.34)
+    out, pre, moves = run(eng, prompts())
+    assert out == ref
+    assert pre and {p["kind"] for p in pre} == {kind}
+    if kind != "recompute":
+        assert moves and all(m["seconds"] > 0 for m in moves)  # filled from the copies' CUDA events
+    assert eng.pool.num_free == eng.pool.capacity and eng.host_pool.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["swap", "partial_swap"])
+def test_swap_round_trip_restores_every_block(tiny_model_dir, kind):
+    """Out, overwrite everything the request gave up, back in: the KV is bit-identical, with the host
+    copies still in flight when the freed blocks are overwritten (the forward's stream waits only for
+    the gather)."""
+    from gpuservd.engine.scheduler import SchedulerOutput
+
+    eng = engine(tiny_model_dir, num_blocks=16, device=CUDA, mode="on", kind=kind, partial_keep_fraction=0.34)
+    eng.add_request("a", prompts(1, length=30)[0], SamplingParams(max_tokens=4, **PARAMS))
+    eng.step()
+    req, sched, kv = eng.requests["a"], eng.scheduler, eng.runner.cache.kv
+    before = kv[:, :, req.block_ids].clone()
+    out = SchedulerOutput(step_id=0)
+    sched._preempt(req, out, need=1, reason="test")
+    eng.swapper.execute(out.moves)
+    others = [b for b in range(eng.pool.num_blocks) if b not in req.park_block_ids]
+    kv[:, :, others] = 7.0  # on the compute stream, before finish(): ordered after the gather only
+    eng.swapper.finish()
+    back = SchedulerOutput(step_id=0)
+    assert sched._resume(back, req, 1)
+    eng.swapper.execute(back.moves)
+    eng.swapper.finish()
+    assert torch.equal(kv[:, :, req.block_ids], before)
+    assert all(m.seconds > 0 for m in out.moves + back.moves)
+
+
+def test_layered_load_gives_the_full_loads_tokens(tiny_model_dir):
+    from gpuservd.config import EngineConfig
+    from gpuservd.engine.engine import LLMEngine
+
+    cfg = EngineConfig(model="tiny", device=CUDA, block_size=4, kv_cache_bytes=4 << 20)
+    full = LLMEngine("tiny", tiny_model_dir, cfg)
+    layered = LLMEngine("tiny", tiny_model_dir, cfg, initial_layers=1)
+    params = SamplingParams(max_tokens=8, **PARAMS)
+    assert layered.generate(prompts(), params) == full.generate(prompts(), params)
+    assert layered.runner.weights.gate.num_ready == layered.runner.arch.num_layers
+
+
+def test_int8_weights_are_expanded_on_the_device(tiny_model_dir, tmp_path):
+    """The INT8 file's bytes cross to the GPU as int8 and are expanded there: the device weights equal
+    the CPU's expansion of the same file, and the bytes read are the INT8 file's, not fp32's."""
+    import shutil
+
+    from gpuservd.config import EngineConfig
+    from gpuservd.engine.engine import LLMEngine
+    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+
+    d = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, d)
+    write_int8(SafetensorsReader(d), d)
+    cfg = EngineConfig(model="tiny", device=CUDA, block_size=4, kv_cache_bytes=4 << 20)
+    src = Int8Reader(int8_path(d))
+    gpu = LLMEngine("tiny", d, cfg, weight_source=src)
+    cpu = LLMEngine("tiny", d, EngineConfig(model="tiny", block_size=4, kv_cache_bytes=4 << 20),
+                    weight_source=Int8Reader(int8_path(d)))
+    g, c = gpu.runner.weights.layer(0), cpu.runner.weights.layer(0)
+    for name in ("qkv", "o_proj", "gate_up", "down"):
+        torch.testing.assert_close(getattr(g, name).weight.cpu(), getattr(c, name).dense(), rtol=0, atol=1e-6)
+    fp32_bytes = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    assert 0 < src.bytes_read < 0.4 * fp32_bytes
