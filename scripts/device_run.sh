@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the `device` tool): what this project checks and measures there.
+#
+#   scripts/device_run.sh PART... [-- BUDGET_S]     parts: env tests swap cold check
+#
+#   env    nvidia-smi, python, torch / CUDA versions
+#   tests  pytest tests/test_cuda.py (the engine on CUDA: tokens against the CPU, asynchronous swap,
+#          layered loading through pinned buffers, INT8 expanded on the GPU)
+#   swap   scripts/bench_swap_overlap.py (issue 3: a swap-out's host copy beside the next step)
+#   swap-16k  the same with a 16k-token victim and a 64-sequence step
+#   cold   gpuserv bench cold-start on cuda:0, bf16, SmolLM2's shape with random weights (issue 5)
+#   cold-1b   the same for TinyLlama-1.1B's shape (2.2 GB of bf16 on disk)
+#   check  scripts/gpu_check.py (issue 8: readings, green contexts, MPS, the isolation bench), with
+#          what is left of BUDGET_S (default 520 s for the whole call)
+#
+# The machine has no network: the Python packages its image lacks (starlette, uvicorn, gguf, textual
+# and theirs) travel as wheels in .whl (git-ignored; carry it), fetched here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn gguf \
+#     textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py Everything lands in bench/results/<date>-h200-*/ and,
+# as results.tgz plus run.log, under $OUT.
+set -u
+PARTS=()
+BUDGET=520
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --) BUDGET="$2"; shift 2 ;;
+    *) PARTS+=("$1"); shift ;;
+  esac
+done
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+OUT="${OUT:-/tmp/device-out}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1 GPUSERV_HOME=/tmp/gpuserv-home
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "wheel install failed"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+DAY=$(date +%Y-%m-%d)
+RES=bench/results
+touch /tmp/device-run-start
+pack() { find "$RES" -newer /tmp/device-run-start -type f | tar czf "$OUT/results.tgz" -T - 2>/dev/null; }
+for part in "${PARTS[@]}"; do
+  echo "=== $part ($(left) s left) $(date +%T)"
+  case "$part" in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+      python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+      df -h /tmp | tail -1; nproc ;;
+    tests)
+      mkdir -p "$RES/$DAY-h200-cuda-tests"
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py -rA \
+        2>&1 | tee "$RES/$DAY-h200-cuda-tests/pytest.log" | tail -40 ;;
+    swap)
+      timeout 120 python3 scripts/bench_swap_overlap.py --out "$RES/$DAY-h200-swap-overlap" ;;
+    swap-16k)
+      timeout 120 python3 scripts/bench_swap_overlap.py --batch 64 --victim-tokens 16384 \
+        --out "$RES/$DAY-h200-swap-overlap-16k" ;;
+    cold)
+      timeout 200 python3 -m gpuservd.cli.main bench cold-start --model isolation-small --device cuda:0 \
+        --dtype bfloat16 --repeats 3 --out "$RES/$DAY-h200-cold-start" ;;
+    cold-1b)
+      timeout 240 python3 -m gpuservd.cli.main bench cold-start --model cold-1b --device cuda:0 \
+        --dtype bfloat16 --repeats 3 --out "$RES/$DAY-h200-cold-start-1b" ;;
+    check)
+      B=$(( $(left) - 15 ))
+      [ "$B" -gt 60 ] && timeout $(( B + 30 )) python3 scripts/gpu_check.py --budget-s "$B" || echo "check: skipped or failed ($B s)" ;;
+    *) echo "unknown part $part" ;;
+  esac
+  pack  # after each part: a call cut off at its limit still brings back what finished
+done
+echo "=== done in $(( $(date +%s) - T0 )) s"; tar tzf "$OUT/results.tgz" | head -40
