@@ -39,3 +39,21 @@ def test_host_runs_merge_consecutive_whole_blocks_only():
     assert host_runs([4, 5, 6, 9, 10, 2], whole=True) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
     assert host_runs([4, 5, 6], whole=False) == [(0, 4, 1), (1, 5, 1), (2, 6, 1)]
     assert host_runs([], whole=True) == []
+
+
+def test_pinned_host_pool_is_allocated_beside_the_load():
+    """A pinned pool is allocated on a thread; its bookkeeping does not wait, and the allocation's own
+    error (no pinned allocator on a CPU build) surfaces where the pool is first used."""
+    import torch
+
+    from gpuservd.kv_cache.cache import CacheShape
+    from gpuservd.kv_cache.swap import HostKVPool
+
+    shape = CacheShape(num_layers=2, num_kv_heads=1, block_size=4, head_dim=8, dtype=torch.float32)
+    pool = HostKVPool(shape, 8 * shape.bytes_per_block, pin=True)
+    assert pool.num_free == 8 and pool.allocate(3) is not None
+    if torch.cuda.is_available():
+        assert pool.kv.is_pinned() and tuple(pool.kv.shape) == (8, 2, 2, 4, 1, 8)
+    else:
+        with pytest.raises(RuntimeError, match="pin"):
+            pool.kv

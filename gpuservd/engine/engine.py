@@ -7,6 +7,7 @@ and everything it cost is one StepRecord in the telemetry ring.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,20 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.name = model_name
         self.config = config
+        tok_thread = None
+        if tokenizer is None:  # read beside the weights: a cold load waits on the disk, not on the CPU
+            from gpuservd.engine.tokenizer import load_tokenizer
+
+            tok_box: dict = {}
+
+            def _load_tokenizer():
+                try:
+                    tok_box["tokenizer"] = load_tokenizer(model_dir)
+                except BaseException as exc:  # raised below, in the constructor's thread
+                    tok_box["error"] = exc
+
+            tok_thread = threading.Thread(target=_load_tokenizer, name="tokenizer-load", daemon=True)
+            tok_thread.start()
         self.runner = ModelRunner(
             model_dir,
             dtype=config.dtype,
@@ -50,10 +65,11 @@ class LLMEngine:
             initial_layers=initial_layers,
             on_layer=on_layer,
         )
-        if tokenizer is None:
-            from gpuservd.engine.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(model_dir)
+        if tok_thread is not None:
+            tok_thread.join()
+            if "error" in tok_box:
+                raise tok_box["error"]
+            tokenizer = tok_box["tokenizer"]
         self.tokenizer = tokenizer
         eos = set(self.runner.arch.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -66,8 +82,11 @@ class LLMEngine:
         layout = KVLayout(cache.shape.num_layers, cache.shape.bytes_per_block)
         self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size, config.preemption,
                                    host_pool=self.host_pool, layout=layout)
-        # The planner prices swaps with this link's measured bandwidth from the start.
-        self.scheduler.cost.host_bandwidth = self.swapper.probe_bandwidth()
+        # The planner prices swaps with this link's measured bandwidth from the start. On CUDA the pinned
+        # pool is still being allocated beside the load: there the first swap (assumed the cheaper kind
+        # until measured) measures the link instead, through its CUDA events.
+        if not cache.kv.is_cuda:
+            self.scheduler.cost.host_bandwidth = self.swapper.probe_bandwidth()
         self._events: list[dict] = []  # non-step events (auto-mode switches) for the next StepRecord
         # Layer granularity: interrupt(priority) -> True when a request more urgent than that priority
         # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).
