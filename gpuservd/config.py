@@ -158,6 +158,22 @@ def torch_device(name: str) -> str:
     return "cpu" if name.startswith("cpu") else name
 
 
+def check_device(device: str, what: str = "engine.device") -> str:
+    """One device, cpu or a visible cuda:N; `what` names it in the message (a flag, a config key)."""
+    if device == "cpu":
+        return device
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise UserError(f"{what} must be cpu or cuda:N, got {device!r}")
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device.partition(":")[2] or 0) >= visible:
+        why = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
+               else f"{visible} CUDA devices visible")
+        raise UserError(f"{what} {device} is not there ({why})")
+    return device
+
+
 def check_devices(devices, visible_cuda=None) -> list[str]:
     """engine.devices validated: known strings, no duplicates, not a mix of cpu and cuda, cuda:N
     within the visible devices (visible_cuda: their count; None = ask torch). Returns the names."""

@@ -172,3 +172,16 @@ def test_usage_errors_are_short_and_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "gpuservd.cli.main", *args], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "Error" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["cold-start", "isolation"])
+def test_bench_device_that_is_not_there_is_one_line(command, capsys):
+    """A GPU bench asked for on a machine without that GPU: exit 2 and a line that says why, no traceback."""
+    import torch
+
+    assert invoke("bench", command, "--device", "gpu0") == 2
+    assert "--device must be cpu or cuda:N, got 'gpu0'" in capsys.readouterr().err
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert invoke("bench", command, "--device", f"cuda:{n}") == 2
+    err = capsys.readouterr().err
+    assert f"--device cuda:{n} is not there" in err and "Traceback" not in err

@@ -118,7 +118,9 @@ def cold_start(
     --model isolation-small is SmolLM2's shape with random weights (made on first use) where SmolLM2
     cannot be pulled."""
     from gpuservd.bench.cold import markdown, run_cold_start
+    from gpuservd.config import check_device
 
+    check_device(device, "--device")
     result = run_cold_start(model, run_dir(out, f"cold-{model}"), prompt_tokens, initial_layers, repeats, threads,
                             log=lambda m: typer.echo(m, err=True), device=device, dtype=dtype)
     typer.echo(markdown(result))
@@ -171,6 +173,9 @@ def isolation(
 ) -> None:
     """Two models on one device (G5): the small model's P99 alone, naive and under the arbiter; time-slice overhead (G2)."""
     from gpuservd.bench.isolation import IsolationSpec, markdown, run_isolation
+    from gpuservd.config import check_device
+
+    check_device(device, "--device")
 
     qs = _batches(quanta)
     if any(not 10 <= q <= 50 for q in qs):
