@@ -341,3 +341,51 @@ def test_pinned_request_keeps_its_growth_free_of_admissions():
     while s.has_unfinished():
         run_step(s, done)  # the newcomers run once the pinned request is done
     assert {r.request_id for r in done} == {"p", "n", "m"} and s.pool.num_free == 10
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=250))
+@settings(max_examples=200, deadline=None)
+def test_km_quantile_without_running_requests_is_the_nearest_rank_percentile(lengths):
+    from gpuservd.engine.preemption import km_quantile, percentile
+
+    for q in (0.5, 0.99):
+        assert km_quantile(lengths, [], q) == (percentile(sorted(lengths), 100 * q), True)
+
+
+def test_km_quantile_counts_running_requests_as_lower_bounds():
+    from gpuservd.engine.preemption import km_quantile
+
+    # Ten finished at 10, ten still running past 100: half the requests are longer than 10, so the
+    # median is 10 (known), and the 99th percentile is past anything finished: only a lower bound.
+    assert km_quantile([10] * 10, [120] * 10, 0.5) == (10.0, True)
+    assert km_quantile([10] * 10, [120] * 10, 0.99) == (120.0, False)
+    # Most still running: no median yet.
+    assert km_quantile([10] * 3, [20] * 10, 0.5) == (20.0, False)
+
+
+def test_auto_mode_switches_on_from_long_requests_still_running():
+    """Shorts finish first; the long ones still generating already show the tail."""
+    from gpuservd.engine.preemption import AutoMode
+
+    auto = AutoMode(window=200, ratio=5.0, min_samples=20)
+    for _ in range(19):
+        assert auto.observe(20, running=[150, 160]) is None  # under min_samples
+    ev = auto.observe(20, running=[150, 160, 5])
+    assert auto.enabled and ev["enabled"] and ev["p50"] == 20 and ev["p99"] == 160 and ev["p99_lower_bound"]
+    assert ev["running"] == 3
+    # Finished lengths alone (the old rule) would have waited: 20 finished at 20 give P99/P50 = 1.
+    old = AutoMode(window=200, ratio=5.0, min_samples=20)
+    assert all(old.observe(20) is None for _ in range(20)) and not old.enabled
+
+
+def test_auto_mode_does_not_decide_while_most_requests_are_running():
+    """A wide uniform workload warming up: the first finishes are the shortest, and most requests are
+    still running, so the median is unknown and nothing switches (no false on)."""
+    from gpuservd.engine.preemption import AutoMode
+
+    auto = AutoMode(window=200, ratio=5.0, min_samples=20)
+    finished = list(range(10, 30))  # the 20 shortest of lengths 10..500
+    running = [40 + 2 * i for i in range(60)]
+    for n in finished:
+        auto.observe(n, running=running)
+    assert not auto.enabled

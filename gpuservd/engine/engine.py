@@ -357,7 +357,9 @@ class LLMEngine:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.scheduler.remove(req)
-                switch = self.scheduler.auto.observe(len(req.output_token_ids))
+                switch = self.scheduler.auto.observe(
+                    len(req.output_token_ids),
+                    [len(r.output_token_ids) for r in self.requests.values() if r is not req])
                 if switch is not None and self.scheduler.mode.value == "auto":
                     self._events.append(switch)
                 self.requests.pop(req.request_id, None)

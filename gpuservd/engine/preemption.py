@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -117,13 +118,42 @@ def plan_kind(forced: MoveKind, cost: CostModel, *, host_free: int, n_blocks: in
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    idx = min(len(sorted_values) - 1, max(0, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    """Nearest-rank percentile of an ascending list: the value at rank ceil(q/100 * n). (It used to round
+    q n + 0.5 half to even, which picked the rank above at some sizes: P50 of [1, 2] read 2.)"""
+    idx = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values) / 100 - 1e-9) - 1))
     return float(sorted_values[idx])
 
 
+def km_quantile(finished: list[int], running: list[int], q: float) -> tuple[float | None, bool]:
+    """The q-quantile of output lengths by Kaplan-Meier: `finished` are lengths, `running` are lower bounds
+    (requests still generating: their length is at least that). Returns (value, known). known is False
+    when the estimate never falls to 1 - q among the samples (the rest are still running); value is then
+    the largest sample, a lower bound. Without running samples this is the nearest-rank percentile."""
+    samples = sorted([(t, 0) for t in finished] + [(t, 1) for t in running])  # events before censored at a tie
+    n, i, surv = len(samples), 0, 1.0
+    while i < n:
+        t = samples[i][0]
+        j = i
+        while j < n and samples[j][0] == t:
+            j += 1
+        deaths = sum(1 for k in range(i, j) if samples[k][1] == 0)
+        if deaths:
+            surv *= 1.0 - deaths / (n - i)
+            if surv <= 1.0 - q + 1e-12:
+                return float(t), True
+        i = j
+    return (float(samples[-1][0]) if samples else None), False
+
+
 class AutoMode:
-    """Preemption on while P99/P50 of recent output lengths exceeds `ratio` (S7)."""
+    """Preemption on while P99/P50 of recent output lengths exceeds `ratio` (S7).
+
+    Lengths are counted as they are known: the finished requests' (a window of `window`), and, as lower
+    bounds, those of the requests still generating (Kaplan-Meier, `km_quantile`). Finished lengths alone
+    are biased short while a workload warms up (short requests finish first, long ones are still
+    running), which kept auto off until the first long requests had finished; the KV-bound bench's
+    default trailed `on` by that much. A running request already longer than `ratio` times the median
+    is evidence enough; a median not yet known (most requests still running) decides nothing."""
 
     def __init__(self, window: int, ratio: float, min_samples: int):
         self.lengths: deque[int] = deque(maxlen=window)
@@ -131,17 +161,27 @@ class AutoMode:
         self.min_samples = min_samples
         self.enabled = False
 
-    def observe(self, output_len: int) -> dict | None:
-        """Record a finished request's output length; returns a switch event (with its evidence) or None."""
+    def observe(self, output_len: int, running: list[int] = ()) -> dict | None:
+        """Record a finished request's output length, with the lengths so far of the requests still
+        generating; returns a switch event (with its evidence) or None."""
         self.lengths.append(max(1, output_len))
         if len(self.lengths) < self.min_samples:
             return None
-        values = sorted(self.lengths)
-        p50, p99 = percentile(values, 50), percentile(values, 99)
+        running = [n for n in running if n >= 1]
+        p50, p50_known = km_quantile(list(self.lengths), running, 0.50)
+        if not p50_known:
+            return None
+        p99, p99_known = km_quantile(list(self.lengths), running, 0.99)
         skew = p99 / p50
-        want = skew > self.ratio
+        if skew > self.ratio:
+            want = True  # p99 exact or a lower bound: the tail is at least this long
+        elif p99_known:
+            want = False
+        else:
+            return None  # the tail is still running and not yet long enough to tell
         if want == self.enabled:
             return None
         self.enabled = want
         return {"kind": "preemption_mode", "enabled": want, "p50": p50, "p99": p99, "ratio": round(skew, 3),
-                "threshold": self.ratio, "window": len(values)}
+                "threshold": self.ratio, "window": len(self.lengths), "running": len(running),
+                "p99_lower_bound": not p99_known}
