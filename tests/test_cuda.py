@@ -11,7 +11,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 from gpuservd.engine.request import SamplingParams  # noqa: E402
-from test_preemption import PARAMS, engine, prompts, run  # noqa: E402
+from test_preemption import PARAMS, engine, prompts, run, swap_round_trip  # noqa: E402
 
 CUDA = "cuda:0"
 
@@ -50,25 +50,9 @@ def test_swap_round_trip_restores_every_block(tiny_model_dir, kind):
     """Out, overwrite everything the request gave up, back in: the KV is bit-identical, with the host
     copies still in flight when the freed blocks are overwritten (the forward's stream waits only for
     the gather)."""
-    from gpuservd.engine.scheduler import SchedulerOutput
-
-    eng = engine(tiny_model_dir, num_blocks=16, device=CUDA, mode="on", kind=kind, partial_keep_fraction=0.34)
-    eng.add_request("a", prompts(1, length=30)[0], SamplingParams(max_tokens=4, **PARAMS))
-    eng.step()
-    req, sched, kv = eng.requests["a"], eng.scheduler, eng.runner.cache.kv
-    before = kv[:, :, req.block_ids].clone()
-    out = SchedulerOutput(step_id=0)
-    sched._preempt(req, out, need=1, reason="test")
-    eng.swapper.execute(out.moves)
-    others = [b for b in range(eng.pool.num_blocks) if b not in req.park_block_ids]
-    kv[:, :, others] = 7.0  # on the compute stream, before finish(): ordered after the gather only
-    eng.swapper.finish()
-    back = SchedulerOutput(step_id=0)
-    assert sched._resume(back, req, 1)
-    eng.swapper.execute(back.moves)
-    eng.swapper.finish()
-    assert torch.equal(kv[:, :, req.block_ids], before)
-    assert all(m.seconds > 0 for m in out.moves + back.moves)
+    before, after, moves = swap_round_trip(tiny_model_dir, kind, device=CUDA)
+    assert torch.equal(after, before)
+    assert all(m.seconds > 0 for m in moves)
 
 
 def test_layered_load_gives_the_full_loads_tokens(tiny_model_dir):

@@ -79,12 +79,12 @@ def test_partial_swap_frees_device_blocks(tiny_model_dir):
         assert p["blocks_freed"] == n - (-(-n // 3))
 
 
-@pytest.mark.parametrize("kind", ["swap", "partial_swap"])
-def test_swap_in_restores_bytes_exactly(tiny_model_dir, kind):
-    """The KV a swapped request gets back is bit-identical, even after its old blocks were overwritten."""
+def swap_round_trip(model_dir, kind: str, device: str = "cpu"):
+    """A request swapped out, every block it gave up overwritten (on CUDA while its host copies may still
+    be in flight: finish() comes after), swapped back in. Returns (KV before, KV after, the moves)."""
     from gpuservd.engine.scheduler import SchedulerOutput
 
-    eng = engine(tiny_model_dir, num_blocks=16, mode="on", kind=kind, partial_keep_fraction=0.34)
+    eng = engine(model_dir, num_blocks=16, device=device, mode="on", kind=kind, partial_keep_fraction=0.34)
     eng.add_request("a", prompts(1, length=30)[0], SamplingParams(max_tokens=4, **PARAMS))
     eng.step()
     req, sched, kv = eng.requests["a"], eng.scheduler, eng.runner.cache.kv
@@ -94,10 +94,19 @@ def test_swap_in_restores_bytes_exactly(tiny_model_dir, kind):
     eng.swapper.execute(out.moves)
     others = [b for b in range(eng.pool.num_blocks) if b not in req.park_block_ids]
     kv[:, :, others] = 7.0  # the freed blocks are reused by someone else
+    eng.swapper.finish()
     back = SchedulerOutput(step_id=0)
     assert sched._resume(back, req, 1)
     eng.swapper.execute(back.moves)
-    assert torch.equal(kv[:, :, req.block_ids], before)
+    eng.swapper.finish()
+    return before, kv[:, :, req.block_ids], out.moves + back.moves
+
+
+@pytest.mark.parametrize("kind", ["swap", "partial_swap"])
+def test_swap_in_restores_bytes_exactly(tiny_model_dir, kind):
+    """The KV a swapped request gets back is bit-identical, even after its old blocks were overwritten."""
+    before, after, moves = swap_round_trip(tiny_model_dir, kind)
+    assert torch.equal(after, before) and moves
 
 
 def test_displacement_by_priority_is_exact(tiny_model_dir, reference):
