@@ -102,3 +102,13 @@ def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
         assert r8.shape(name) == reader.shape(name)
         assert torch.equal(r8.get(name), host8.get(name))
     assert SafetensorsReader(d).names() == reader.names()  # the int8/ subdir is not taken for a shard
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_expands_straight_into_the_compute_dtype(dtype):
+    """One pass (q * s computed in fp32, rounded once) gives the three-pass result bit for bit."""
+    from gpuservd.weights.quant import quantize_int8
+
+    qt = quantize_int8(torch.randn(96, 40, generator=torch.Generator().manual_seed(1)))
+    got = qt.dequantize(dtype)
+    assert got.dtype == dtype and torch.equal(got, (qt.q.to(torch.float32) * qt.scale[:, None]).to(dtype))

@@ -174,14 +174,14 @@ class Upload:
 
     def tensor(self, names, dtype: torch.dtype) -> torch.Tensor:
         """The named tensors, concatenated along dim 0 (fused q/k/v, gate/up), on the device in dtype."""
-        names = [names] if isinstance(names, str) else list(names)
-        if not self.cuda:
-            parts = [self.reader.get(n) for n in names]
-            return _cast(parts[0] if len(parts) == 1 else torch.cat(parts), dtype, self.device)
-        stored = getattr(self.reader, "get_stored", self.reader.get)
-        parts = [stored(n) for n in names]
         from gpuservd.weights.quant import QTensor
 
+        names = [names] if isinstance(names, str) else list(names)
+        stored = getattr(self.reader, "get_stored", self.reader.get)
+        parts = [stored(n) for n in names]
+        if not self.cuda:  # INT8 expanded straight into the compute dtype
+            parts = [p.dequantize(dtype) if isinstance(p, QTensor) else p for p in parts]
+            return _cast(parts[0] if len(parts) == 1 else torch.cat(parts), dtype, self.device)
         if all(isinstance(p, QTensor) for p in parts):
             q, scale = self._send([p.q for p in parts]), self._send([p.scale for p in parts])
             out = torch.empty(q.shape, dtype=dtype, device=self.device)
