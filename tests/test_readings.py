@@ -368,3 +368,21 @@ def test_handle_falls_back_to_index_and_reports_a_missing_device():
     reader = DeviceReader("cuda:0", nvml=fake, identity=ident)
     assert not reader.available and reader.reason.startswith("NVML has no handle for this CUDA device")
     assert fake.calls["nvmlShutdown"] == 1
+
+
+def test_phase_sampler_medians_and_reasons():
+    """A benchmark phase's clocks and load: medians of the readings taken while it ran; a field never
+    read comes back null with its reason (never 0)."""
+    import time as _time
+
+    from gpuservd.gpu.readings import PhaseSampler
+
+    fake = FakeNvml()
+    with PhaseSampler(reader_with(fake), interval_s=0.01) as s:
+        _time.sleep(0.08)
+    out = s.summary()
+    assert out["samples"] >= 2 and out["sm_clock_mhz"] == 1980 and out["power_w"] is not None
+    with PhaseSampler(DeviceReader("cpu"), interval_s=0.01) as s:
+        _time.sleep(0.03)
+    out = s.summary()
+    assert out["sm_clock_mhz"] is None and out["unavailable"]["sm_clock_mhz"] == NO_CUDA

@@ -34,6 +34,7 @@ from pathlib import Path
 from gpuservd.bench.floor import ForeignLoad
 from gpuservd.bench.output import write_result
 from gpuservd.bench.report import percentiles
+from gpuservd.gpu.readings import DeviceReader, PhaseSampler
 
 WARM_FRACTION = 0.25  # throughput is counted after the first quarter of a phase (past the initial prefills)
 PHASES = ("small-alone", "big-alone", "naive", "gpuserv", "gpuserv-concurrent")
@@ -99,6 +100,7 @@ class _Driver:
         self.loops: dict = {}
         self.events: list[dict] = []
         self._n = 0
+        self.reader = None  # gpu.readings.DeviceReader of the device the phases run on
 
     def on_post(self, deliveries: list, events: list) -> None:
         for sink, item in deliveries:
@@ -181,6 +183,7 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
         for _ in range(small_closed):
             start_small_closed()
     load = ForeignLoad().start()
+    sampler = PhaseSampler(drv.reader).__enter__() if drv.reader is not None else None
     if small_on and not small_closed:
         next_at = t0 + arrivals.expovariate(spec.small_rate)
         while next_at < end:
@@ -191,6 +194,8 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
             next_at += arrivals.expovariate(spec.small_rate)
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
     load.stop()
+    if sampler is not None:
+        sampler.__exit__(None, None, None)
     # Poisson requests already sent finish (their latency counts); closed-loop ones are cut at `end`.
     for t in list(pending):
         if t in big_tracks or (small_closed and t in small_tracks):
@@ -206,7 +211,7 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
             if t.finished_at is None or t.error is not None:
                 small_tokens.extend(x for x in t.token_times if x <= end)
     return {"t0": t0, "end": end, "small": small_tracks, "big_tokens": big_tokens, "small_tokens": small_tokens,
-            "foreign_cpu_share": load.share}
+            "foreign_cpu_share": load.share, "device": None if sampler is None else sampler.summary()}
 
 
 def _ms(d: dict | None) -> dict | None:
@@ -218,6 +223,8 @@ def _summarise(raw: dict, spec: IsolationSpec, duration: float) -> dict:
             and len(t.token_times) == spec.small_output]
     gaps = [b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]
     out = {"foreign_cpu_share": raw["foreign_cpu_share"]}
+    if raw.get("device") is not None:  # clocks and load the phase ran at (medians of 0.5 s readings)
+        out["device"] = raw["device"]
     if raw["small"] and not raw["small_tokens"]:
         out["small"] = {
             "num_requests": len(raw["small"]), "num_completed": len(done),
@@ -264,6 +271,8 @@ async def _main(spec: IsolationSpec, log) -> dict:
 
     aloop = asyncio.get_running_loop()
     drv = _Driver(aloop)
+    if spec.device.startswith("cuda"):  # the SM clock and load of each phase (a CPU has no such reading)
+        drv.reader = DeviceReader(spec.device)
     store = ModelStore()
     for name in (spec.small, spec.big):
         info = store.check(name)
@@ -416,8 +425,8 @@ def markdown(r: dict) -> str:
              f"big: {spec['big_concurrency']} in flight, {spec['big_prompt']} -> {spec['big_output'] // 2}-"
              f"{spec['big_output'] * 3 // 2} tokens; "
              f"{spec['duration_s']:.0f} s a phase.", "",
-             "| phase | small step P50 / P99 ms | small request P50 / P99 ms | big tokens/s | foreign CPU |",
-             "|---|---|---|---|---|"]
+             "| phase | small step P50 / P99 ms | small request P50 / P99 ms | big tokens/s | foreign CPU | "
+             "SM clock MHz / util % |", "|---|---|---|---|---|---|"]
     for name in PHASES:
         p = ph.get(name) or {}
         sm = p.get("small") or {}
@@ -425,8 +434,10 @@ def markdown(r: dict) -> str:
         step = f"{st.get('p50', '-')} / {st.get('p99', '-')}" if st else "-"
         req = f"{rq.get('p50', '-')} / {rq.get('p99', '-')}" if rq else "-"
         fc = p.get("foreign_cpu_share")
+        dev = p.get("device") or {}
+        clock = "-" if dev.get("sm_clock_mhz") is None else f"{dev['sm_clock_mhz']} / {dev.get('sm_util_pct', '-')}"
         lines.append(f"| {name} | {step} | {req} | {p.get('big_tokens_per_s', '-')} | "
-                     f"{'-' if fc is None else f'{100 * fc:.0f}%'} |")
+                     f"{'-' if fc is None else f'{100 * fc:.0f}%'} | {clock} |")
     lines += ["", "| vs solo | small request P99 | small step P99 | big throughput |", "|---|---|---|---|"]
     for name in ("naive", "gpuserv", "gpuserv-concurrent"):
         x = s[name]

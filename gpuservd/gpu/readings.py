@@ -220,3 +220,51 @@ class DeviceReader:
                 self._nvml.close()
                 self._nvml = None
                 self._reason = "reader closed"
+
+
+class PhaseSampler:
+    """Readings taken every `interval_s` on a thread while a measurement runs (`with PhaseSampler(reader):`),
+    summarized as the median of each field in `fields`. A benchmark phase then says at what clocks and
+    load the device ran: a launch-bound phase can run at a fraction of the clocks a busy one gets, and its
+    step times say nothing about the scheduler until that is known. Fields never read (no CUDA device,
+    no NVML) come back as null with the reason, as everywhere else."""
+
+    FIELDS = ("sm_clock_mhz", "sm_util_pct", "power_w", "mem_bw_util_pct")
+
+    def __init__(self, reader: DeviceReader, interval_s: float = 0.5, fields: tuple[str, ...] = FIELDS):
+        self.reader, self.interval_s, self.fields = reader, interval_s, fields
+        self._samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PhaseSampler:
+        self._samples.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="phase-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._samples.append(self.reader.read())
+            if self._stop.wait(self.interval_s):
+                return
+
+    def summary(self) -> dict:
+        """{field: median or None}, `samples`, and `unavailable` {field: reason} for the fields never read."""
+        out: dict = {"samples": len(self._samples)}
+        unavailable: dict = {}
+        for f in self.fields:
+            values = sorted(s[f] for s in self._samples if s.get(f) is not None)
+            out[f] = values[len(values) // 2] if values else None
+            if not values:
+                reasons = [s["unavailable"].get(f) for s in self._samples if s["unavailable"].get(f)]
+                unavailable[f] = reasons[-1] if reasons else "no sample"
+        if unavailable:
+            out["unavailable"] = unavailable
+        return out
