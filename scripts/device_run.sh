@@ -10,6 +10,8 @@
 #   swap-16k  the same with a 16k-token victim and a 64-sequence step
 #   cold   gpuserv bench cold-start on cuda:0, bf16, SmolLM2's shape with random weights (issue 5)
 #   cold-1b   the same for TinyLlama-1.1B's shape (2.2 GB of bf16 on disk)
+#   daemon    gpuserv serve on cuda:0 (bf16, SmolLM2's shape): one request through the socket, status,
+#             doctor and /metrics, then Ctrl-C (DEVICE=cpu tries the part here)
 #   check  scripts/gpu_check.py (issue 8: readings, green contexts, MPS, the isolation bench), with
 #          what is left of BUDGET_S (default 520 s for the whole call)
 #
@@ -66,6 +68,25 @@ for part in "${PARTS[@]}"; do
     cold-1b)
       timeout 240 python3 -m gpuservd.cli.main bench cold-start --model cold-1b --device cuda:0 \
         --dtype bfloat16 --repeats 3 --out "$RES/$DAY-h200-cold-start-1b" ;;
+    daemon)
+      # The daemon on the GPU end to end: a model on cuda, one request through the socket (streamed by
+      # --demo), status, doctor and metrics over the socket, then Ctrl-C (drain and stop).
+      D="$RES/$DAY-h200-daemon"; mkdir -p "$D"
+      python3 -c "from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama as e; \
+from gpuservd.store.store import ModelStore; e(ModelStore(), 'isolation-small', RANDOM_MODELS['isolation-small'], 'smollm2')"
+      printf 'engine: {device: %s, dtype: bfloat16}\n' "${DEVICE:-cuda:0}" > /tmp/gpuserv-device.yaml
+      export GPUSERV_SOCKET=/tmp/gpuserv-device/gpuserv.sock
+      python3 -m gpuservd.cli.main serve -c /tmp/gpuserv-device.yaml -m isolation-small \
+        --demo "Say hello." > "$D/serve.log" 2>&1 &
+      SERVE=$!
+      for _ in $(seq 90); do grep -q "^demo: .* served" "$D/serve.log" && break; sleep 1; done
+      python3 -m gpuservd.cli.main status > "$D/status.txt" 2>&1
+      python3 -m gpuservd.cli.main doctor > "$D/doctor.txt" 2>&1
+      python3 -c "from gpuservd.api.client import Client; print(Client().metrics())" \
+        > "$D/metrics.txt" 2>&1 || true
+      kill -INT $SERVE; wait $SERVE; echo "serve exit: $?" >> "$D/serve.log"
+      unset GPUSERV_SOCKET
+      tail -5 "$D/serve.log"; head -30 "$D/status.txt"; tail -15 "$D/doctor.txt" ;;
     check)
       B=$(( $(left) - 15 ))
       [ "$B" -gt 60 ] && timeout $(( B + 30 )) python3 scripts/gpu_check.py --budget-s "$B" || echo "check: skipped or failed ($B s)" ;;
