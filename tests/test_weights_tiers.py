@@ -112,3 +112,60 @@ def test_int8_expands_straight_into_the_compute_dtype(dtype):
     qt = quantize_int8(torch.randn(96, 40, generator=torch.Generator().manual_seed(1)))
     got = qt.dequantize(dtype)
     assert got.dtype == dtype and torch.equal(got, (qt.q.to(torch.float32) * qt.scale[:, None]).to(dtype))
+
+
+def test_tensor_ranges_point_at_each_tensors_bytes(tmp_path):
+    """The byte ranges read ahead are the tensors' own bytes in the file."""
+    from safetensors.torch import save_file
+
+    from gpuservd.store.readahead import tensor_ranges
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=g), "b.q": torch.randint(-5, 5, (7,), dtype=torch.int8),
+               "c": torch.randn(4, generator=g).to(torch.bfloat16)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    data = path.read_bytes()
+    ranges = tensor_ranges(path)
+    assert set(ranges) == set(tensors)
+    for k, t in tensors.items():
+        start, end = ranges[k]
+        assert data[start:end] == t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_layers_are_read_ahead_of_the_loader(tiny_model_dir, tmp_path):
+    """Every layer's tensors are asked for (WILLNEED) before the loader reads them, two layers ahead,
+    from the store's safetensors and from the INT8 file alike."""
+    import shutil
+
+    from gpuservd.runner.model_config import load_arch
+    from gpuservd.runner.weights import READ_AHEAD_LAYERS, load_weights
+    from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+
+    arch = load_arch(tiny_model_dir)
+
+    def recording(reader):
+        log = []
+        get, prefetch = reader.get, reader.prefetch
+        reader.get = lambda name: (log.append(("get", name)), get(name))[1]
+        reader.prefetch = lambda names: (log.extend(("prefetch", n) for n in names), prefetch(names))[1]
+        return log
+
+    d = tiny_model_dir
+    for reader in (SafetensorsReader(d), None):
+        if reader is None:
+            shutil.copytree(d, tmp_path / "m")
+            write_int8(SafetensorsReader(tmp_path / "m"), tmp_path / "m")
+            reader = Int8Reader(int8_path(tmp_path / "m"))
+        log = recording(reader)
+        load_weights(reader, arch, torch.float32, torch.device("cpu"))
+        asked = {n: i for i, (what, n) in enumerate(log) if what == "prefetch"}
+        read = [(i, n) for i, (what, n) in enumerate(log) if what == "get"]
+        assert set(asked) == set(reader.names())  # every tensor is read ahead, once
+        assert all(asked[n] < i for i, n in read)  # and before it is read
+        # Layer i + READ_AHEAD_LAYERS is asked for before any of layer i's tensors is read.
+        first_get = {int(n.split(".")[2]): i for i, n in reversed(read) if n.startswith("model.layers.")}
+        for layer, i in first_get.items():
+            ahead = layer + READ_AHEAD_LAYERS
+            if ahead in first_get:
+                assert min(asked[n] for n in reader.names() if n.startswith(f"model.layers.{ahead}.")) < i

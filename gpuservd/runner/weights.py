@@ -19,6 +19,7 @@ from safetensors import safe_open
 from gpuservd.errors import StoreCorrupt
 from gpuservd.runner.linear import Linear, onednn_available
 from gpuservd.runner.model_config import ModelArch
+from gpuservd.store.readahead import tensor_ranges, will_need
 
 
 @dataclass
@@ -134,8 +135,26 @@ class SafetensorsReader:
             for name in handle.keys():
                 self.name_to_shard[name] = shard
 
+        self._ranges: dict[str, dict[str, tuple[int, int]]] = {}  # shard -> tensor byte ranges (readahead)
+
     def has(self, name: str) -> bool:
         return name in self.name_to_shard
+
+    def prefetch(self, names) -> None:
+        """Start reading these tensors' bytes from the disk in the background (store/readahead.py)."""
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            if name in self.name_to_shard:
+                by_shard.setdefault(self.name_to_shard[name], []).append(name)
+        for shard, group in by_shard.items():
+            path = self.model_dir / shard
+            if shard not in self._ranges:
+                try:
+                    self._ranges[shard] = tensor_ranges(path)
+                except (OSError, ValueError, KeyError):
+                    self._ranges[shard] = {}
+            ranges = self._ranges[shard]
+            will_need(path, [ranges[n] for n in group if n in ranges])
 
     def names(self) -> list[str]:
         return sorted(self.name_to_shard)
@@ -247,6 +266,9 @@ def expected_bytes(source, dtype: torch.dtype) -> int:
     return total
 
 
+READ_AHEAD_LAYERS = 2  # layers whose bytes are asked for ahead of the one being loaded
+
+
 def load_weights(
     source, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None,
     initial_layers: int | None = None, on_layer=None,
@@ -262,6 +284,18 @@ def load_weights(
         onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
     up = Upload(reader, device)
+    n = arch.num_layers
+    prefetch = getattr(reader, "prefetch", None)  # a file-backed source: read ahead of the loader
+    by_layer: list[list[str]] = [[] for _ in range(n)]
+    if prefetch is not None:
+        others = []
+        for name in reader.names():
+            parts = name.split(".")
+            if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < n:
+                by_layer[int(parts[2])].append(name)
+            else:
+                others.append(name)
+        prefetch(others + by_layer[0] + (by_layer[1] if n > 1 else []))
     embed = up.tensor("model.embed_tokens.weight", dtype)
     tied = not (reader.has("lm_head.weight") and not arch.tie_word_embeddings)
     if not tied:
@@ -272,10 +306,11 @@ def load_weights(
             embed = None  # one copy: the packed head; embedding rows are read out of it
     final_norm = up.tensor("model.norm.weight", dtype)
     up.wait()
-    n = arch.num_layers
 
     def load(i: int) -> LayerWeights:
         t0 = time.perf_counter()
+        if prefetch is not None and i + READ_AHEAD_LAYERS < n:
+            prefetch(by_layer[i + READ_AHEAD_LAYERS])
         lw = load_layer(up, arch, i, dtype, onednn)
         up.wait()
         if on_layer is not None:
