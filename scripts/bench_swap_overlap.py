@@ -49,7 +49,9 @@ def main() -> int:
     from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
     from gpuservd.config import EngineConfig, PreemptionConfig
     from gpuservd.engine.engine import LLMEngine
+    from gpuservd.kv_cache.cache import cache_shape
     from gpuservd.kv_cache.swap import KVMove
+    from gpuservd.runner.model_config import load_arch
     from gpuservd.runner.batch import SeqChunk
     from gpuservd.store.store import ModelStore
 
@@ -59,10 +61,7 @@ def main() -> int:
     bs = 16
     per_seq = -(-(args.context + 1) // bs)
     victim_blocks = -(-args.victim_tokens // bs)
-    probe = LLMEngine(args.model, store.path(args.model), EngineConfig(model=args.model, device=args.device,
-                                                                        dtype=args.dtype, kv_cache_bytes=64 << 20))
-    block_bytes = probe.runner.cache.shape.bytes_per_block
-    del probe
+    block_bytes = cache_shape(load_arch(store.path(args.model)), bs, getattr(torch, args.dtype)).bytes_per_block
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=bs,
                        kv_cache_bytes=(args.batch * per_seq + victim_blocks + 8) * block_bytes,
                        preemption=PreemptionConfig(swap_space_bytes=(victim_blocks + 8) * block_bytes))

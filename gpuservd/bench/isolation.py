@@ -183,7 +183,7 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
         for _ in range(small_closed):
             start_small_closed()
     load = ForeignLoad().start()
-    sampler = PhaseSampler(drv.reader).__enter__() if drv.reader is not None else None
+    sampler = PhaseSampler(drv.reader).start() if drv.reader is not None else None
     if small_on and not small_closed:
         next_at = t0 + arrivals.expovariate(spec.small_rate)
         while next_at < end:
@@ -195,7 +195,7 @@ async def _run_phase(drv: _Driver, spec: IsolationSpec, small_on: bool, big_on: 
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
     load.stop()
     if sampler is not None:
-        sampler.__exit__(None, None, None)
+        sampler.stop()
     # Poisson requests already sent finish (their latency counts); closed-loop ones are cut at `end`.
     for t in list(pending):
         if t in big_tracks or (small_closed and t in small_tracks):

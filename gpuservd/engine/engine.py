@@ -7,12 +7,12 @@ and everything it cost is one StepRecord in the telemetry ring.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
 from gpuservd.engine import detokenizer
 from gpuservd.engine.preemption import Granularity
@@ -38,20 +38,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.name = model_name
         self.config = config
-        tok_thread = None
+        pending_tokenizer = None
         if tokenizer is None:  # read beside the weights: a cold load waits on the disk, not on the CPU
             from gpuservd.engine.tokenizer import load_tokenizer
 
-            tok_box: dict = {}
-
-            def _load_tokenizer():
-                try:
-                    tok_box["tokenizer"] = load_tokenizer(model_dir)
-                except BaseException as exc:  # raised below, in the constructor's thread
-                    tok_box["error"] = exc
-
-            tok_thread = threading.Thread(target=_load_tokenizer, name="tokenizer-load", daemon=True)
-            tok_thread.start()
+            pending_tokenizer = in_background("tokenizer-load", load_tokenizer, model_dir)
         self.runner = ModelRunner(
             model_dir,
             dtype=config.dtype,
@@ -65,11 +56,8 @@ class LLMEngine:
             initial_layers=initial_layers,
             on_layer=on_layer,
         )
-        if tok_thread is not None:
-            tok_thread.join()
-            if "error" in tok_box:
-                raise tok_box["error"]
-            tokenizer = tok_box["tokenizer"]
+        if pending_tokenizer is not None:
+            tokenizer = pending_tokenizer.result()
         self.tokenizer = tokenizer
         eos = set(self.runner.arch.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:

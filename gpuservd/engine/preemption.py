@@ -168,10 +168,11 @@ class AutoMode:
         if len(self.lengths) < self.min_samples:
             return None
         running = [n for n in running if n >= 1]
-        p50, p50_known = km_quantile(list(self.lengths), running, 0.50)
+        finished = list(self.lengths)
+        p50, p50_known = km_quantile(finished, running, 0.50)
         if not p50_known:
             return None
-        p99, p99_known = km_quantile(list(self.lengths), running, 0.99)
+        p99, p99_known = km_quantile(finished, running, 0.99)
         skew = p99 / p50
         if skew > self.ratio:
             want = True  # p99 exact or a lower bound: the tail is at least this long

@@ -237,17 +237,24 @@ class PhaseSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> PhaseSampler:
+    def start(self) -> PhaseSampler:
+        """Begin sampling (what `with` does on entry)."""
         self._samples.clear()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="phase-sampler", daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+    def __enter__(self) -> PhaseSampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _run(self) -> None:
         while True:

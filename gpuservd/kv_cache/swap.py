@@ -14,12 +14,12 @@ the CPU they are plain copies between two tensors.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from gpuservd.background import in_background
 from gpuservd.kv_cache.block_pool import BlockPool
 from gpuservd.kv_cache.cache import CacheShape, KVCache
 
@@ -74,29 +74,19 @@ class HostKVPool:
         # Not zeroed: a host block is always written (swap-out) before it is read (swap-in), and zeroing
         # 512 MB touched every page on each engine's start (0.13 s of a SmolLM2 load on this CPU).
         self._kv: torch.Tensor | None = None
-        self._alloc_error: BaseException | None = None
-        self._alloc_thread = None
+        self._pending_kv = None
         if pin and self.num_blocks:
             # Page-locking the whole pool happens at allocation (cudaHostAlloc), a fraction of a second
             # for 512 MB: done beside the model's load, waited for only by the first swap.
-            def alloc():
-                try:
-                    self._kv = torch.empty(size, dtype=shape.dtype, pin_memory=True)
-                except BaseException as exc:  # raised where the pool is first used
-                    self._alloc_error = exc
-
-            self._alloc_thread = threading.Thread(target=alloc, name="host-kv-pool", daemon=True)
-            self._alloc_thread.start()
+            self._pending_kv = in_background("host-kv-pool", torch.empty, size, dtype=shape.dtype, pin_memory=True)
         else:
             self._kv = torch.empty(size, dtype=shape.dtype, pin_memory=pin)
 
     @property
     def kv(self) -> torch.Tensor:
         """The pool's tensor [block, layer, k|v, slot, head, dim] (waits for a pinned allocation in flight)."""
-        if self._kv is None and self._alloc_thread is not None:
-            self._alloc_thread.join()
-            if self._alloc_error is not None:
-                raise self._alloc_error
+        if self._kv is None and self._pending_kv is not None:
+            self._kv = self._pending_kv.result()  # the allocation's own error, if it failed
         return self._kv
 
     @property
@@ -199,11 +189,11 @@ class Swapper:
             m.seconds = start.elapsed_time(end) / 1000.0
         self._pending.clear()
 
-    def _park(self, m: KVMove, keep: int, index_device) -> None:
+    def _park(self, m: KVMove, keep: int) -> None:
         """Partial swap: pack (out) or unpack (in) the kept layers. Gathered into a temporary first,
         so overlapping slabs are safe."""
         dev = self.cache.kv
-        sl, sb, dl, db = (t.to(index_device) for t in park_slots(self.num_layers, keep, m.device_blocks,
+        sl, sb, dl, db = (t.to(dev.device) for t in park_slots(self.num_layers, keep, m.device_blocks,
                                                                  m.park_blocks))
         if m.direction == "out":
             dev[dl, :, db] = dev[sl, :, sb]
@@ -227,10 +217,10 @@ class Swapper:
             if h:
                 host[:, :h].index_copy_(0, host_idx, _to_block_major(dev[:h].index_select(2, dev_idx)))
             if keep:
-                self._park(m, keep, "cpu")
+                self._park(m, keep)
         else:
             if keep:
-                self._park(m, keep, "cpu")
+                self._park(m, keep)
             if h:
                 dev[:h].index_copy_(2, dev_idx, _to_layer_major(host[:, :h].index_select(0, host_idx)))
         self._account(m, h, keep)
@@ -247,7 +237,7 @@ class Swapper:
             if h:  # staged before parking: parking may overwrite these blocks' low layers
                 staged = _to_block_major(dev[:h].index_select(2, dev_idx)).contiguous()
             if keep:
-                self._park(m, keep, dev.device)
+                self._park(m, keep)
             if staged is not None:
                 self._d2h.wait_stream(self._stream)
                 with torch.cuda.stream(self._d2h):
@@ -259,7 +249,7 @@ class Swapper:
                 end.record(self._stream)
         else:
             if keep:
-                self._park(m, keep, dev.device)
+                self._park(m, keep)
             if h:
                 staged = torch.empty((len(m.host_blocks), h) + tuple(host.shape[2:]), dtype=host.dtype,
                                      device=dev.device)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from gpuservd.errors import StoreCorrupt
 from gpuservd.runner.linear import Linear, onednn_available
 from gpuservd.runner.model_config import ModelArch
-from gpuservd.store.readahead import tensor_ranges, will_need
+from gpuservd.store.readahead import FileReadahead
 
 
 @dataclass
@@ -135,7 +135,7 @@ class SafetensorsReader:
             for name in handle.keys():
                 self.name_to_shard[name] = shard
 
-        self._ranges: dict[str, dict[str, tuple[int, int]]] = {}  # shard -> tensor byte ranges (readahead)
+        self._readahead: dict[str, FileReadahead] = {}  # per shard, made on the first prefetch
 
     def has(self, name: str) -> bool:
         return name in self.name_to_shard
@@ -147,14 +147,9 @@ class SafetensorsReader:
             if name in self.name_to_shard:
                 by_shard.setdefault(self.name_to_shard[name], []).append(name)
         for shard, group in by_shard.items():
-            path = self.model_dir / shard
-            if shard not in self._ranges:
-                try:
-                    self._ranges[shard] = tensor_ranges(path)
-                except (OSError, ValueError, KeyError):
-                    self._ranges[shard] = {}
-            ranges = self._ranges[shard]
-            will_need(path, [ranges[n] for n in group if n in ranges])
+            if shard not in self._readahead:
+                self._readahead[shard] = FileReadahead(self.model_dir / shard)
+            self._readahead[shard].ask(group)
 
     def names(self) -> list[str]:
         return sorted(self.name_to_shard)

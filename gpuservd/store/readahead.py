@@ -45,3 +45,20 @@ def will_need(path: str | Path, ranges) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class FileReadahead:
+    """One safetensors file's tensors, asked for by key; the header is read on the first ask (a file
+    whose header cannot be read is simply not read ahead: the load itself says what is wrong)."""
+
+    def __init__(self, path: str | Path):
+        self.path = path
+        self._ranges: dict[str, tuple[int, int]] | None = None
+
+    def ask(self, keys) -> None:
+        if self._ranges is None:
+            try:
+                self._ranges = tensor_ranges(self.path)
+            except (OSError, ValueError, KeyError, struct.error):
+                self._ranges = {}
+        will_need(self.path, [self._ranges[k] for k in keys if k in self._ranges])

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpuservd.errors import StoreCorrupt
-from gpuservd.store.readahead import tensor_ranges, will_need
+from gpuservd.store.readahead import FileReadahead
 from gpuservd.weights.quant import QTensor, quantizable, quantize_int8
 
 SUBDIR = "int8"
@@ -58,20 +58,14 @@ class Int8Reader:
         self._q = {k[:-2] for k in keys if k.endswith(".q")}
         self._plain = {k for k in keys if not (k.endswith(".q") or k.endswith(".scale"))}
         self.bytes_read = 0
-        self._ranges: dict[str, tuple[int, int]] | None = None  # key -> byte range (readahead)
+        self._readahead = FileReadahead(self.path)
 
     def names(self) -> list[str]:
         return sorted(self._q | self._plain)
 
     def prefetch(self, names) -> None:
         """Start reading these tensors' bytes (int8 values and scales) in the background."""
-        if self._ranges is None:
-            try:
-                self._ranges = tensor_ranges(self.path)
-            except (OSError, ValueError, KeyError):
-                self._ranges = {}
-        keys = [k for n in names for k in ((n + ".q", n + ".scale") if n in self._q else (n,))]
-        will_need(self.path, [self._ranges[k] for k in keys if k in self._ranges])
+        self._readahead.ask([k for n in names for k in ((n + ".q", n + ".scale") if n in self._q else (n,))])
 
     def has(self, name: str) -> bool:
         return name in self._q or name in self._plain
