@@ -88,18 +88,19 @@ def swap_round_trip(model_dir, kind: str, device: str = "cpu"):
     eng.add_request("a", prompts(1, length=30)[0], SamplingParams(max_tokens=4, **PARAMS))
     eng.step()
     req, sched, kv = eng.requests["a"], eng.scheduler, eng.runner.cache.kv
-    before = kv[:, :, req.block_ids].clone()
+    before = kv[:, :, sched.kv.table(req)].clone()
     out = SchedulerOutput(step_id=0)
     sched._preempt(req, out, need=1, reason="test")
     eng.swapper.execute(out.moves)
-    others = [b for b in range(eng.pool.num_blocks) if b not in req.park_block_ids]
+    parked = out.moves[0].park_blocks
+    others = [b for b in range(eng.pool.num_blocks) if b not in parked]
     kv[:, :, others] = 7.0  # the freed blocks are reused by someone else
     eng.swapper.finish()
     back = SchedulerOutput(step_id=0)
     assert sched._resume(back, req, 1)
     eng.swapper.execute(back.moves)
     eng.swapper.finish()
-    return before, kv[:, :, req.block_ids], out.moves + back.moves
+    return before, kv[:, :, sched.kv.table(req)], out.moves + back.moves
 
 
 @pytest.mark.parametrize("kind", ["swap", "partial_swap"])

@@ -32,7 +32,7 @@ def run_step(s: Scheduler, finished: list):
     out = s.schedule()
     for c in out.chunks:
         # What the runner will demand: a block for every position the chunk attends to.
-        assert len(c.request.block_ids) * s.block_size >= c.start_pos + c.num_tokens, c.request.request_id
+        assert len(s.kv.table(c.request)) * s.block_size >= c.start_pos + c.num_tokens, c.request.request_id
         assert c.start_pos == c.request.num_computed_tokens
     for c in out.chunks:
         c.request.advance(c.num_tokens)
@@ -134,11 +134,10 @@ def _full_pool_with(outputs: list[int], max_tokens: list[int], policy: str, **pr
     s.schedule()  # admits all three
     for r, n_out in zip(reqs, outputs):
         r.output_token_ids = [7] * (n_out + 1)  # 9 tokens known, 8 cached: the next step writes position 8
+        s.kv.free(r)
         r.num_computed_tokens = 8
-        s.pool.free(r.block_ids)
-        r.block_ids = []
     for r in reqs:
-        r.block_ids = s.pool.allocate(2)  # positions 0-7; the pool is now full
+        assert len(s.kv.allocate_slots(r, 0)) == 2  # positions 0-7; the pool is now full
         r.admitted_time = 0.0  # long ago: past min_exec_s
     return s, reqs
 
@@ -216,7 +215,7 @@ def test_random_traffic_never_leaks_blocks(seed, mode, kind):
         steps += 1
         assert steps < 5000, "scheduler made no progress"
         assert s.pool.num_used == _held(s)
-        assert s.host.num_used == sum(len(r.host_block_ids) for r in s.waiting)
+        assert s.host.num_used == sum(s.kv.num_host_blocks(r) for r in s.waiting)
     assert len(done) == 30 and s.pool.num_free == s.pool.num_blocks and s.host.num_free == s.host.num_blocks
     assert kinds, "the workload never preempted: the test exercises nothing"
     if kind != "auto":
@@ -226,7 +225,7 @@ def test_random_traffic_never_leaks_blocks(seed, mode, kind):
 
 
 def _held(s: Scheduler) -> int:
-    return sum(r.num_device_blocks for r in s.running + s.waiting)
+    return sum(s.kv.num_device_blocks(r) for r in s.running + s.waiting)
 
 
 from hypothesis import given, settings
@@ -286,10 +285,10 @@ def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs
         assert step < 3000, "no progress: deadlock"
         assert s.pool.num_used == _held(s)
         if s.host is not None:
-            assert s.host.num_used == sum(len(r.host_block_ids) for r in s.waiting)
+            assert s.host.num_used == sum(s.kv.num_host_blocks(r) for r in s.waiting)
         b_running = [r for r in s.running if r.tenant == "b"]
         assert not seqs_cap or len(b_running) <= seqs_cap
-        assert not blocks_cap or sum(r.num_device_blocks for r in s.running + s.waiting if r.tenant == "b") <= blocks_cap
+        assert not blocks_cap or sum(s.kv.num_device_blocks(r) for r in s.running + s.waiting if r.tenant == "b") <= blocks_cap
         if mode == "off":
             assert all(p.kind == "recompute" for p in out.preemptions)
         assert max((r.num_preemptions for r in requests), default=0) <= 2, "preempted past max_preemptions"
@@ -330,7 +329,7 @@ def test_pinned_request_keeps_its_growth_free_of_admissions():
     done = []
     run_step(s, done)
     pinned.num_preemptions = 1
-    assert s.is_pinned(pinned) and s.reserved_blocks() == 6 - len(pinned.block_ids)
+    assert s.is_pinned(pinned) and s.reserved_blocks() == 6 - len(s.kv.table(pinned))
     s.add(Request("n", [5] * 20, SamplingParams(max_tokens=4), arrival_time=1))  # needs 5 blocks now; 4 are not reserved
     out = run_step(s, done)
     assert [c.request.request_id for c in out.chunks] == ["p"] and out.kv_blocks_reserved == 4

@@ -19,7 +19,8 @@ from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
 from gpuservd.engine.sampler import sample
-from gpuservd.engine.scheduler import KVLayout, Scheduler, SchedulerOutput
+from gpuservd.engine.schedule_output import KVLayout, SchedulerOutput
+from gpuservd.engine.scheduler import Scheduler
 from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.swap import HostKVPool, Swapper
@@ -240,7 +241,7 @@ class LLMEngine:
                 SeqChunk(
                     c.request.token_slice(c.start_pos, c.num_tokens),
                     c.start_pos,
-                    c.request.block_ids,
+                    self.scheduler.kv.table(c.request),
                     c.sample,
                 )
                 for c in sched.chunks

@@ -86,8 +86,10 @@ class CostModel:
 
 
 def plan_kind(forced: MoveKind, cost: CostModel, *, host_free: int, n_blocks: int, need: int,
-              bytes_per_block: int, keep_layers: int, num_layers: int, block_size: int) -> MoveKind:
-    """The kind of move for a victim holding n_blocks when `need` blocks must be freed.
+              bytes_per_block: int, keep_layers: int, num_layers: int, block_size: int,
+              n_parked: int) -> MoveKind:
+    """The kind of move for a victim holding n_blocks when `need` blocks must be freed; a partial
+    swap keeping keep_layers would leave n_parked of them on the device (the KV cache manager says).
 
     Swap needs n_blocks free host blocks; otherwise the victim is recomputed. Under `auto`
     the cheapest of the kinds that free at least `need` blocks wins; before any measurement
@@ -104,8 +106,7 @@ def plan_kind(forced: MoveKind, cost: CostModel, *, host_free: int, n_blocks: in
     options[MoveKind.RECOMPUTE] = cost.recompute_cost_s(drop * block_size)
     if host_free >= n_blocks:
         options[MoveKind.SWAP] = cost.swap_cost_s(n_blocks * bytes_per_block, 0)
-        parked = -(-keep_layers * n_blocks // num_layers) if keep_layers else n_blocks
-        if keep_layers and n_blocks - parked >= min(need, n_blocks):
+        if keep_layers and n_blocks - n_parked >= min(need, n_blocks):
             layer_bytes = bytes_per_block // num_layers
             options[MoveKind.PARTIAL_SWAP] = cost.swap_cost_s(
                 n_blocks * (num_layers - keep_layers) * layer_bytes, 2 * n_blocks * keep_layers * layer_bytes)

@@ -71,6 +71,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class Rebuild:
+    """A recompute that dropped only the oldest blocks: what to rebuild and where to continue."""
+
+    until: int  # tokens [0, until) are computed again (the dropped blocks)
+    resume_at: int  # num_computed_tokens once they are (the kept tail's end)
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence in the engine. The scheduler owns its state changes.
@@ -88,20 +96,12 @@ class Request:
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    block_ids: list[int] = field(default_factory=list)  # the block table, in order
     num_preemptions: int = 0  # times this request was preempted
     admitted_time: float = 0.0  # monotonic time it last entered the running batch
-    # Preempted KV (engine/scheduler.py). Swapped: layers [0, swap_host_layers) of its
-    # swapped_num_blocks blocks are in host_block_ids, the rest parked in park_block_ids.
-    # Dropped: tokens [0, recompute_until) are rebuilt, then num_computed_tokens jumps to
-    # resume_computed (the kept tail of blocks covers the rest).
-    host_block_ids: list[int] = field(default_factory=list)
-    park_block_ids: list[int] = field(default_factory=list)
-    swapped_num_blocks: int = 0
-    swap_host_layers: int = 0
-    dropped_blocks: int = 0  # oldest blocks dropped; re-allocated in front of block_ids on resume
-    recompute_until: int = 0
-    resume_computed: int = 0  # 0 = no kept tail
+    # Recompute that kept a tail of blocks: tokens [0, rebuild.until) are rebuilt first, then
+    # num_computed_tokens jumps to rebuild.resume_at (the kept blocks cover the rest). Its blocks
+    # themselves are the KV cache manager's (kv_cache/manager.py).
+    rebuild: Rebuild | None = None
     num_recomputed_tokens: int = 0  # prefill work redone because of preemptions
     first_token_time: float | None = None  # monotonic time of the first output token
     finish_time: float | None = None
@@ -123,24 +123,24 @@ class Request:
     @property
     def gap_end(self) -> int:
         """End of the run of tokens to compute next: the dropped prefix, or everything known."""
-        return self.recompute_until if self.resume_computed else self.num_tokens
+        return self.rebuild.until if self.rebuild is not None else self.num_tokens
 
     def advance(self, n: int) -> None:
         """n more tokens' KV is in the cache; a rebuilt prefix reconnects to the kept tail."""
         self.num_computed_tokens += n
-        if self.resume_computed and self.num_computed_tokens >= self.recompute_until:
-            self.num_computed_tokens = self.resume_computed
-            self.resume_computed = self.recompute_until = 0
+        if self.rebuild is not None and self.num_computed_tokens >= self.rebuild.until:
+            self.num_computed_tokens = self.rebuild.resume_at
+            self.rebuild = None
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV it has (or, while a dropped prefix is rebuilt, will have again)."""
+        return self.rebuild.resume_at if self.rebuild is not None else self.num_computed_tokens
 
     @property
     def remaining_estimate(self) -> int:
         """Tokens still to generate, from max_tokens (the only length a server knows up front)."""
         return max(1, self.params.max_tokens - len(self.output_token_ids))
-
-    @property
-    def num_device_blocks(self) -> int:
-        """Device KV blocks it holds (its table, or parked layers while swapped)."""
-        return len(self.block_ids) + len(self.park_block_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -19,88 +19,29 @@ How a victim's KV leaves is the planner's choice (engine/preemption.py): swap,
 partial swap (last layers parked on the device) or recompute (oldest blocks
 dropped). Who is the victim is the victim policy's (engine/victim.py). The
 scheduler does no copies and no model math: it returns the KV moves it decided,
-in order, with the batch, as a `SchedulerOutput`.
+in order, with the batch, as a `SchedulerOutput`. Block tables are the KV
+cache manager's (kv_cache/manager.py): the scheduler asks it for blocks and
+moves and never edits a block list itself.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from gpuservd.config import PreemptionConfig, SchedulerConfig
 from gpuservd.engine.policy import Policy, queue_key
 from gpuservd.engine.preemption import (AutoMode, CostModel, Granularity, MoveKind, PreemptionMode,
                                         plan_kind)
 from gpuservd.engine.quota import UNLIMITED, TenantQuota
-from gpuservd.engine.request import Request, RequestState
+from gpuservd.engine.request import Rebuild, Request, RequestState
+from gpuservd.engine.schedule_output import KVLayout, Preemption, ScheduledChunk, SchedulerOutput
 from gpuservd.engine.victim import choose_victim, fallback_victim
 from gpuservd.kv_cache.block_pool import BlockPool
-from gpuservd.kv_cache.swap import KVMove, num_park_blocks
-
-
-@dataclass
-class ScheduledChunk:
-    """Work for one request in one step."""
-
-    request: Request
-    start_pos: int  # first position computed this step (== request.num_computed_tokens)
-    num_tokens: int  # tokens computed this step
-    sample: bool  # this chunk reaches the last known token, so a new token is sampled
-
-
-@dataclass
-class Preemption:
-    """One victim: how its KV left the device and what that will cost (S6)."""
-
-    request_id: str
-    kind: str  # swap | partial_swap | recompute
-    reason: str  # memory | threshold | displaced
-    blocks_freed: int  # device blocks given back now
-    tokens_to_recompute: int  # recompute: tokens whose KV was dropped
-    move: KVMove | None = None  # swap / partial swap: the copy (bytes and seconds filled when executed)
-
-    def to_dict(self) -> dict:
-        d = {"kind": self.kind, "request_id": self.request_id, "reason": self.reason,
-             "blocks_freed": self.blocks_freed, "tokens_to_recompute": self.tokens_to_recompute}
-        if self.move is not None:
-            d.update(bytes_moved=self.move.bytes_moved, bytes_parked=self.move.bytes_parked,
-                     seconds=self.move.seconds)
-        return d
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything one scheduling decision produced (also the telemetry's input)."""
-
-    step_id: int
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # the batch, decode first
-    num_prefill_tokens: int = 0  # tokens in multi-token chunks
-    num_decode_tokens: int = 0  # one-token chunks
-    preempted_ids: list[str] = field(default_factory=list)  # preempted this step
-    preemptions: list[Preemption] = field(default_factory=list)
-    moves: list[KVMove] = field(default_factory=list)  # swap-outs and swap-ins, to run in this order
-    num_running: int = 0  # after this decision
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_reserved: int = 0  # free, but promised to pinned requests' growth (not admissible)
-    kv_blocks_total: int = 0
-    decision_s: float = 0.0  # wall time of schedule() itself
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What the planner needs to know about a block."""
-
-    num_layers: int
-    bytes_per_block: int
+from gpuservd.kv_cache.manager import KVCacheManager
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the block tables of a model's requests."""
+    """Owns the waiting and running queues of a model's requests; `kv` owns their blocks."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
                  preemption: PreemptionConfig | None = None, host_pool=None, layout: KVLayout | None = None):
@@ -113,6 +54,7 @@ class Scheduler:
         self.pool = pool
         self.host = host_pool  # HostKVPool or None (no swap space: recompute only)
         self.layout = layout or KVLayout(1, 0)
+        self.kv = KVCacheManager(pool, block_size, host_pool, self.layout.num_layers)
         self.keep_layers = int(round(p.partial_keep_fraction * self.layout.num_layers))
         self.block_size = block_size
         self.policy = Policy.parse(config.policy)
@@ -147,27 +89,9 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         """Free a request's device blocks, parked blocks and host blocks; it keeps no KV."""
-        for ids, pool in ((r.block_ids, self.pool), (r.park_block_ids, self.pool), (r.host_block_ids, self.host)):
-            if ids:
-                pool.free(ids)
-        r.block_ids, r.park_block_ids, r.host_block_ids = [], [], []
-        r.swapped_num_blocks = r.swap_host_layers = r.dropped_blocks = 0
-        r.recompute_until = r.resume_computed = 0
+        self.kv.free(r)
+        r.rebuild = None
         r.num_computed_tokens = 0
-
-    def _blocks_needed(self, request: Request, num_new: int) -> int:
-        total = -(-(request.num_computed_tokens + num_new) // self.block_size)
-        return max(0, total - len(request.block_ids))
-
-    def _grow(self, request: Request, num_new: int) -> bool:
-        need = self._blocks_needed(request, num_new)
-        if need == 0:
-            return True
-        got = self.pool.allocate(need)
-        if got is None:
-            return False
-        request.block_ids.extend(got)
-        return True
 
     # -- aging: requests that may not be preempted again run to their end ---
     def is_pinned(self, r: Request) -> bool:
@@ -183,7 +107,7 @@ class Scheduler:
         pinned request never needs a victim it may not have (it would have to break the aging bound,
         or the engine would stall): issue 3 promises no request is preempted more than
         max_preemptions times."""
-        return sum(max(0, self._total_blocks(r) - len(r.block_ids)) for r in self.running
+        return sum(max(0, self._total_blocks(r) - self.kv.num_table_blocks(r)) for r in self.running
                    if self.is_pinned(r) and tenant in (None, r.tenant))
 
     def quota(self, tenant: str) -> TenantQuota:
@@ -193,50 +117,54 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput, need: int, reason: str) -> None:
         """Take a running victim out of the batch; its KV leaves as the planner (or `off`) decides."""
         self.running.remove(victim)
-        n = len(victim.block_ids)
-        lay = self.layout
-        if self.preemption_on:
-            kind = plan_kind(self.kind, self.cost, host_free=self.host.num_free if self.host else 0,
-                             n_blocks=n, need=need, bytes_per_block=lay.bytes_per_block,
-                             keep_layers=self.keep_layers, num_layers=lay.num_layers, block_size=self.block_size)
-        else:
-            kind = MoveKind.RECOMPUTE
-        if n == 0:
-            kind = MoveKind.RECOMPUTE
+        kind = self._plan(victim, need)
         move = None
         if kind in (MoveKind.SWAP, MoveKind.PARTIAL_SWAP):
             keep = self.keep_layers if kind is MoveKind.PARTIAL_SWAP else 0
-            c = num_park_blocks(lay.num_layers, keep, n)
-            host = self.host.allocate(n)
-            move = KVMove(victim.request_id, "out", list(victim.block_ids), host, lay.num_layers - keep,
-                          victim.block_ids[:c])
+            move, freed = self.kv.swap_out(victim, keep)
             out.moves.append(move)
-            self.pool.free(victim.block_ids[c:])
-            victim.park_block_ids, victim.host_block_ids = victim.block_ids[:c], host
-            victim.swapped_num_blocks, victim.swap_host_layers = n, lay.num_layers - keep
-            victim.block_ids = []
             victim.state = RequestState.SWAPPED
-            freed, tokens = n - c, 0
+            tokens = 0
         else:
-            d = min(need, n)
-            computed = victim.num_computed_tokens
-            if self.preemption_on and 0 < d < n and computed > d * self.block_size and not victim.resume_computed:
-                # Drop the oldest d blocks (the tokens farthest from the current step); keep the tail.
-                self.pool.free(victim.block_ids[:d])
-                victim.block_ids = victim.block_ids[d:]
-                victim.dropped_blocks = d
-                victim.recompute_until, victim.resume_computed = d * self.block_size, computed
-                victim.num_computed_tokens = 0
-                freed, tokens = d, d * self.block_size
-            else:
-                freed, tokens = n, computed
-                self._release(victim)
+            freed, tokens = self._recompute(victim, need)
             victim.state = RequestState.PREEMPTED
         victim.num_preemptions += 1
         victim.num_recomputed_tokens += tokens
         self.waiting.append(victim)
         out.preempted_ids.append(victim.request_id)
         out.preemptions.append(Preemption(victim.request_id, kind.value, reason, freed, tokens, move))
+
+    def _plan(self, victim: Request, need: int) -> MoveKind:
+        """How the victim's KV leaves: the planner's price (preemption on), else recompute."""
+        n = self.kv.num_table_blocks(victim)
+        if not self.preemption_on or n == 0:
+            return MoveKind.RECOMPUTE
+        lay = self.layout
+        return plan_kind(self.kind, self.cost, host_free=self.kv.num_host_free, n_blocks=n, need=need,
+                         bytes_per_block=lay.bytes_per_block, keep_layers=self.keep_layers,
+                         num_layers=lay.num_layers, block_size=self.block_size,
+                         n_parked=self.kv.park_blocks_for(n, self.keep_layers))
+
+    def _recompute(self, victim: Request, need: int) -> tuple[int, int]:
+        """Recompute: drop the oldest `need` blocks and keep the tail when that frees enough (and the
+        victim is not already rebuilding a dropped prefix), else drop everything. The request rebuilds
+        what was dropped with a prefix prefill when it resumes. Returns (blocks freed, tokens lost)."""
+        n = self.kv.num_table_blocks(victim)
+        d = min(need, n)
+        computed = victim.num_computed_tokens
+        if self.preemption_on and 0 < d < n and computed > d * self.block_size and victim.rebuild is None:
+            freed = self.kv.drop_oldest(victim, d)
+            victim.rebuild = Rebuild(until=d * self.block_size, resume_at=computed)
+            victim.num_computed_tokens = 0
+            return freed, d * self.block_size
+        self._release(victim)
+        return n, computed
+
+    def _drop_paused(self, r: Request) -> None:
+        """A waiting request's kept tail or parked layers go too: it will be recomputed in full."""
+        r.num_recomputed_tokens += r.num_kv_tokens
+        self._release(r)
+        r.state = RequestState.PREEMPTED
 
     def _outranks(self, w: Request, r: Request) -> bool:
         if w.priority != r.priority:
@@ -249,26 +177,15 @@ class Scheduler:
             return self.pool.capacity
         return max(1, int(self.preemption.memory_threshold * self.pool.capacity))
 
-    def _admit_blocks(self, r: Request, num_new: int) -> int:
-        """Device blocks admitting r needs now."""
-        if r.state is RequestState.SWAPPED:
-            return r.swapped_num_blocks - len(r.park_block_ids) + self._swapped_growth(r, num_new)
-        if r.dropped_blocks:
-            return r.dropped_blocks
-        return self._blocks_needed(r, num_new)
-
-    def _swapped_growth(self, r: Request, num_new: int) -> int:
-        """Blocks a swapped request needs beyond its old table for its first chunk back."""
-        return max(0, -(-(r.num_computed_tokens + num_new) // self.block_size) - r.swapped_num_blocks)
-
     def _tenant_usage(self) -> tuple[dict[str, int], dict[str, int]]:
         seqs: dict[str, int] = {}
         blocks: dict[str, int] = {}
         for r in self.running:
             seqs[r.tenant] = seqs.get(r.tenant, 0) + 1
         for r in self.running + self.waiting:
-            if r.num_device_blocks:
-                blocks[r.tenant] = blocks.get(r.tenant, 0) + r.num_device_blocks
+            n = self.kv.num_device_blocks(r)
+            if n:
+                blocks[r.tenant] = blocks.get(r.tenant, 0) + n
         return seqs, blocks
 
     def _tenant_allows(self, r: Request, extra_blocks: int, seqs: dict, blocks: dict) -> bool:
@@ -278,7 +195,7 @@ class Scheduler:
         if not q.max_kv_blocks:
             return True
         if self.is_pinned(r):  # the same run-to-the-end rule as admission, within the tenant's blocks
-            extra_blocks = max(extra_blocks, self._total_blocks(r) - r.num_device_blocks)
+            extra_blocks = max(extra_blocks, self._total_blocks(r) - self.kv.num_device_blocks(r))
         return blocks.get(r.tenant, 0) + extra_blocks + self.reserved_blocks(r.tenant) <= q.max_kv_blocks
 
     def _order_waiting(self, seqs: dict[str, int]) -> None:
@@ -325,7 +242,7 @@ class Scheduler:
         the device (swap, partial swap or recompute as the planner prices them) until it fits again.
         Whatever the preemption mode: a quota is a limit, not a preference."""
         while self.pool.num_used > self.pool.capacity:
-            held = [r for r in self.waiting if r.num_device_blocks and r.request_id not in out.preempted_ids]
+            held = [r for r in self.waiting if self.kv.num_device_blocks(r) and r.request_id not in out.preempted_ids]
             if held:  # paused requests' kept blocks go first, as for any shortage
                 self._reclaim_from_waiting(None, self.pool.num_used - self.pool.capacity, set(out.preempted_ids))
                 if self.pool.num_used <= self.pool.capacity:
@@ -353,7 +270,7 @@ class Scheduler:
         for w in list(self.waiting):
             if w.request_id in out.preempted_ids:
                 continue
-            need = self._admit_blocks(w, min(w.gap_end - w.num_computed_tokens, cfg.max_prefill_tokens))
+            need = self.kv.blocks_needed(w, min(w.gap_end - w.num_computed_tokens, cfg.max_prefill_tokens))
             if not self._tenant_allows(w, need, seqs, blocks):
                 continue
             while slots < 1 or need > self._usable_blocks() - self.pool.num_used - reserved:
@@ -390,18 +307,18 @@ class Scheduler:
                 num_new = 1
             if not self._within_tenant_blocks(req, num_new, out, now, scheduled):
                 continue
-            while not self._grow(req, num_new):
-                short = self._blocks_needed(req, num_new) - self.pool.num_free
+            while self.kv.allocate_slots(req, num_new) is None:
+                short = self.kv.blocks_needed(req, num_new) - self.pool.num_free
                 if self._reclaim_from_waiting(None, short, set(out.preempted_ids)):
                     continue  # blocks kept by paused requests come before a running victim's
                 candidates = [r for r in self.running if id(r) not in scheduled]
                 victim = choose_victim(candidates, self.preemption, now)
                 if victim is None:
                     break
-                self._preempt(victim, out, need=self._blocks_needed(req, num_new), reason="memory")
+                self._preempt(victim, out, need=self.kv.blocks_needed(req, num_new), reason="memory")
                 if victim is req:
                     break
-            if req not in self.running or self._blocks_needed(req, num_new):
+            if req not in self.running or self.kv.blocks_needed(req, num_new):
                 continue
             self._add_chunk(out, req, num_new)
             scheduled.add(id(req))
@@ -419,16 +336,14 @@ class Scheduler:
         if not cap:
             return True
         while True:
-            held = sum(r.num_device_blocks for r in self.running + self.waiting if r.tenant == req.tenant)
-            over = held + self._blocks_needed(req, num_new) - cap
+            held = sum(self.kv.num_device_blocks(r) for r in self.running + self.waiting if r.tenant == req.tenant)
+            over = held + self.kv.blocks_needed(req, num_new) - cap
             if over <= 0:
                 return True
-            holder = next((r for r in reversed(self.waiting) if r.tenant == req.tenant and r.num_device_blocks
-                           and r.request_id not in out.preempted_ids), None)
+            holder = next((r for r in reversed(self.waiting) if r.tenant == req.tenant
+                           and self.kv.num_device_blocks(r) and r.request_id not in out.preempted_ids), None)
             if holder is not None:
-                holder.num_recomputed_tokens += holder.resume_computed or holder.num_computed_tokens
-                self._release(holder)
-                holder.state = RequestState.PREEMPTED
+                self._drop_paused(holder)
                 continue
             own = [r for r in self.running if r.tenant == req.tenant and id(r) not in scheduled]
             if not own:
@@ -452,20 +367,20 @@ class Scheduler:
                 continue
             remaining = req.gap_end - req.num_computed_tokens
             num_new = min(remaining, prefill_budget, token_budget)
-            need = self._admit_blocks(req, num_new)
+            need = self.kv.blocks_needed(req, num_new)
             if not self._tenant_allows(req, need, seqs, blocks):
                 continue  # over its tenant's quota: waits without blocking others
             room = (usable if self.running else self.pool.capacity) - self.pool.num_used - reserved
             # A pinned request comes back only when all it will ever need fits beside the others' reserves.
             pinned = self.is_pinned(req)
-            fit = max(need, self._total_blocks(req) - req.num_device_blocks) if pinned else need
+            fit = max(need, self._total_blocks(req) - self.kv.num_device_blocks(req)) if pinned else need
             if fit > room and not self._reclaim_from_waiting(req, fit - room, just_preempted):
                 return  # the pool is full: this request and those after it wait
             if not self._resume(out, req, num_new):
                 return
             self.waiting.remove(req)
             if pinned:
-                reserved += max(0, self._total_blocks(req) - len(req.block_ids))
+                reserved += max(0, self._total_blocks(req) - self.kv.num_table_blocks(req))
             req.state = RequestState.RUNNING
             req.admitted_time = time.monotonic()
             self.running.append(req)
@@ -479,28 +394,13 @@ class Scheduler:
 
     def _resume(self, out: SchedulerOutput, req: Request, num_new: int) -> bool:
         """Give an admitted request the device blocks it needs (swap-in, dropped prefix, first chunk)."""
-        if req.state is RequestState.SWAPPED:
-            n = req.swapped_num_blocks
-            new = self.pool.allocate(n - len(req.park_block_ids) + self._swapped_growth(req, num_new))
-            if new is None:
-                return False
-            # The parked blocks become the first blocks of the new table (unparked in place).
-            fresh = req.park_block_ids + new
-            out.moves.append(KVMove(req.request_id, "in", fresh[:n], req.host_block_ids, req.swap_host_layers,
-                                    req.park_block_ids))
-            # Host blocks are freed now and reused at the earliest by a later move: moves run in order.
-            self.host.free(req.host_block_ids)
-            req.block_ids, req.park_block_ids, req.host_block_ids = fresh, [], []
-            req.swapped_num_blocks = req.swap_host_layers = 0
-            return True
-        if req.dropped_blocks:
-            fresh = self.pool.allocate(req.dropped_blocks)
-            if fresh is None:
-                return False
-            req.block_ids = fresh + req.block_ids
-            req.dropped_blocks = 0
-            return True
-        return self._grow(req, num_new)
+        if not self.kv.is_swapped(req):
+            return self.kv.allocate_slots(req, num_new) is not None
+        move = self.kv.swap_in(req, num_new)
+        if move is None:
+            return False
+        out.moves.append(move)
+        return True
 
     def _reclaim_from_waiting(self, head: Request | None, need: int, keep: set[str]) -> bool:
         """Free device blocks held by waiting requests ranked after `head` (all of them when head is
@@ -512,12 +412,11 @@ class Scheduler:
         for r in reversed(below):
             if need <= 0:
                 break
-            if not r.num_device_blocks or r.request_id in keep:
+            held = self.kv.num_device_blocks(r)
+            if not held or r.request_id in keep:
                 continue
-            need -= r.num_device_blocks
-            r.num_recomputed_tokens += r.resume_computed or r.num_computed_tokens
-            self._release(r)
-            r.state = RequestState.PREEMPTED
+            need -= held
+            self._drop_paused(r)
         return need <= 0
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:

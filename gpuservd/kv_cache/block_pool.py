@@ -45,9 +45,6 @@ class BlockPool:
         """Fraction of the capacity in use, 0..1 (above 1 right after a quota was lowered)."""
         return self.num_used / self.capacity
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free
-
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks with refcount 1, or None (and nothing taken) if too few are free."""
         if n > self.num_free:

@@ -1,0 +1,202 @@
+"""The KV cache manager: the one owner of every request's KV blocks.
+
+A request's KV is in one of three shapes, and only this module changes them:
+- resident: a device block table (`table`), one block per `block_size` tokens;
+- partly dropped (recompute keeping a tail): the oldest blocks were given back
+  and `allocate_slots` puts fresh ones in front of the kept tail on resume;
+- swapped: some layers of its blocks in host blocks, the other layers packed
+  ("parked") into a few device blocks (partial swap; none for a full swap).
+
+Mechanism only, as vLLM's KVCacheManager: it answers how many blocks something
+needs, hands out blocks or None, and returns the copies (`KVMove`) a swap needs,
+which the engine executes in order before the step's forward. Who is preempted,
+and whether by swap, partial swap or recompute, is the scheduler's decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuservd.kv_cache.block_pool import BlockPool
+from gpuservd.kv_cache.swap import KVMove, num_park_blocks
+
+
+@dataclass
+class SwappedKV:
+    """A swapped-out request's KV: layers [0, num_host_layers) of its `num_blocks` blocks are in
+    `host_blocks` (one per block), the other layers packed into `park_blocks` on the device."""
+
+    num_blocks: int  # length of its block table when it left
+    num_host_layers: int
+    host_blocks: list[int]
+    park_blocks: list[int]  # empty for a full swap
+
+
+@dataclass
+class RequestKV:
+    """What the manager holds for one request."""
+
+    table: list[int] = field(default_factory=list)  # device block table, in token order
+    num_dropped: int = 0  # oldest blocks dropped by a recompute; `table` is then the kept tail
+    swapped: SwappedKV | None = None
+
+
+class KVCacheManager:
+    """Owns the device block pool's and the host pool's blocks of every request of one engine.
+
+    `pool` is the device BlockPool; `host` anything with allocate/free/num_free/num_used (the
+    engine's HostKVPool, or a bare BlockPool in scheduler tests), or None when there is no swap space."""
+
+    def __init__(self, pool: BlockPool, block_size: int, host=None, num_layers: int = 1):
+        self.pool = pool
+        self.host = host
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self._kv: dict[str, RequestKV] = {}
+
+    # -- questions ---------------------------------------------------------
+    def _get(self, request) -> RequestKV:
+        kv = self._kv.get(request.request_id)
+        if kv is None:
+            kv = self._kv[request.request_id] = RequestKV()
+        return kv
+
+    def table(self, request) -> list[int]:
+        """The request's device block table (what the runner reads); empty while swapped."""
+        kv = self._kv.get(request.request_id)
+        return kv.table if kv is not None else []
+
+    def num_table_blocks(self, request) -> int:
+        return len(self.table(request))
+
+    def num_device_blocks(self, request) -> int:
+        """Device blocks it holds: its table, or its parked layers while swapped."""
+        kv = self._kv.get(request.request_id)
+        if kv is None:
+            return 0
+        return len(kv.table) + (len(kv.swapped.park_blocks) if kv.swapped else 0)
+
+    def num_host_blocks(self, request) -> int:
+        kv = self._kv.get(request.request_id)
+        return len(kv.swapped.host_blocks) if kv is not None and kv.swapped else 0
+
+    def is_swapped(self, request) -> bool:
+        kv = self._kv.get(request.request_id)
+        return kv is not None and kv.swapped is not None
+
+    @property
+    def num_host_free(self) -> int:
+        return self.host.num_free if self.host is not None else 0
+
+    def blocks_needed(self, request, num_new: int) -> int:
+        """Device blocks `allocate_slots(request, num_new)` (or `swap_in`) would take from the pool."""
+        kv = self._kv.get(request.request_id)
+        if kv is not None and kv.swapped is not None:
+            s = kv.swapped
+            return s.num_blocks - len(s.park_blocks) + self._growth(request, s.num_blocks, num_new)
+        if kv is not None and kv.num_dropped:
+            return kv.num_dropped
+        have = len(kv.table) if kv is not None else 0
+        return max(0, self._num_blocks_for(request.num_computed_tokens + num_new) - have)
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _growth(self, request, num_blocks: int, num_new: int) -> int:
+        """Blocks beyond a table of num_blocks for the request's next num_new tokens."""
+        return max(0, self._num_blocks_for(request.num_computed_tokens + num_new) - num_blocks)
+
+    # -- allocation --------------------------------------------------------
+    def allocate_slots(self, request, num_new: int) -> list[int] | None:
+        """Device blocks for the request's next `num_new` tokens (after its num_computed_tokens), or
+        None with nothing taken when the pool has too few. A partly dropped request gets its dropped
+        blocks back in front of its kept tail. Returns the blocks added (possibly none)."""
+        kv = self._get(request)
+        if kv.swapped is not None:
+            raise ValueError(f"request {request.request_id} is swapped out: swap_in first")
+        need = self.blocks_needed(request, num_new)
+        if need == 0:
+            return []
+        new = self.pool.allocate(need)
+        if new is None:
+            return None
+        if kv.num_dropped:
+            kv.table[:0] = new
+            kv.num_dropped = 0
+        else:
+            kv.table.extend(new)
+        return new
+
+    def free(self, request) -> None:
+        """Give back everything the request holds: its table, parked blocks and host blocks."""
+        kv = self._kv.pop(request.request_id, None)
+        if kv is None:
+            return
+        if kv.table:
+            self.pool.free(kv.table)
+        if kv.swapped is not None:
+            if kv.swapped.park_blocks:
+                self.pool.free(kv.swapped.park_blocks)
+            if kv.swapped.host_blocks:
+                self.host.free(kv.swapped.host_blocks)
+
+    # -- recompute: drop the oldest blocks, keep the tail -------------------
+    def drop_oldest(self, request, n: int) -> int:
+        """Give back the request's oldest n blocks (the tokens farthest from its next step) and keep
+        the rest; `allocate_slots` re-allocates them in front when it resumes. Returns blocks freed."""
+        kv = self._get(request)
+        if not 0 < n < len(kv.table) or kv.num_dropped:
+            raise ValueError(f"cannot drop {n} of {len(kv.table)} blocks of {request.request_id}")
+        self.pool.free(kv.table[:n])
+        del kv.table[:n]
+        kv.num_dropped = n
+        return n
+
+    # -- swap and partial swap ----------------------------------------------
+    def park_blocks_for(self, num_blocks: int, keep_layers: int) -> int:
+        """Device blocks that hold `keep_layers` layers of num_blocks blocks once packed."""
+        return num_park_blocks(self.num_layers, keep_layers, num_blocks)
+
+    def can_swap_out(self, request) -> bool:
+        return self.num_host_free >= self.num_table_blocks(request) > 0
+
+    def swap_out(self, request, keep_layers: int = 0) -> tuple[KVMove, int]:
+        """Move the request's KV off the device: layers [0, L - keep_layers) to host blocks, the last
+        keep_layers packed into the first blocks of its own table (partial swap), the rest of its table
+        given back. Returns (the copy to execute, device blocks freed). The blocks freed here may be
+        written by the same step's forward: the engine runs the move before it."""
+        kv = self._get(request)
+        n = len(kv.table)
+        host = self.host.allocate(n) if n else None
+        if host is None or n == 0:
+            raise ValueError(f"no host space to swap out {n} blocks of {request.request_id}")
+        c = self.park_blocks_for(n, keep_layers)
+        park = kv.table[:c]
+        move = KVMove(request.request_id, "out", list(kv.table), host, self.num_layers - keep_layers, park)
+        self.pool.free(kv.table[c:])
+        kv.swapped = SwappedKV(n, self.num_layers - keep_layers, host, park)
+        kv.table = []
+        return move, n - c
+
+    def park(self, request, keep_layers: int) -> tuple[KVMove, int]:
+        """Partial swap: `swap_out` keeping the last keep_layers layers on the device."""
+        return self.swap_out(request, keep_layers)
+
+    def swap_in(self, request, num_new: int) -> KVMove | None:
+        """Bring a swapped request's KV back into fresh device blocks (its parked blocks become the first
+        blocks of the new table and are unpacked in place), with room for its next num_new tokens.
+        Returns the copy to execute, or None with nothing taken when the pool has too few blocks."""
+        kv = self._get(request)
+        s = kv.swapped
+        if s is None:
+            raise ValueError(f"request {request.request_id} is not swapped out")
+        new = self.pool.allocate(s.num_blocks - len(s.park_blocks) + self._growth(request, s.num_blocks, num_new))
+        if new is None:
+            return None
+        table = s.park_blocks + new
+        move = KVMove(request.request_id, "in", table[:s.num_blocks], s.host_blocks, s.num_host_layers,
+                      s.park_blocks)
+        # Host blocks are free again now and reused at the earliest by a later move: moves run in order.
+        self.host.free(s.host_blocks)
+        kv.table, kv.swapped = table, None
+        return move
