@@ -14,6 +14,14 @@ class UserError(Exception):
     exit_code = 2
 
 
+class FieldError(UserError):
+    """A bad value in one named field of a request; the API answers 400 with `param` set to it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param  # the request field to name, e.g. "logit_bias" or "response_format"
+
+
 class ModelNotFound(UserError):
     """The named model is not in the store."""
 

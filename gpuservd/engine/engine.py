@@ -7,6 +7,7 @@ and everything it cost is one StepRecord in the telemetry ring.
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from gpuservd.engine import detokenizer
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
-from gpuservd.engine.sampler import sample
+from gpuservd.engine.sampler import SamplerOutput, TokenLogprobs, sample
 from gpuservd.engine.schedule_output import KVLayout, SchedulerOutput
 from gpuservd.engine.scheduler import Scheduler
 from gpuservd.engine.telemetry import StepRecord, Telemetry
@@ -148,7 +149,10 @@ class LLMEngine:
             raise UserError(
                 f"the request needs {need} KV blocks but tenant {tenant!r} may hold {cap}; lower max_tokens"
             )
+        params.check_vocab(vocab)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority, tenant=tenant)
+        # Unseeded requests still draw from a seed of their own, so their draws never depend on the batch.
+        req.sample_seed = params.seed if params.seed is not None else random.getrandbits(63)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if params.detokenize:
@@ -336,10 +340,10 @@ class LLMEngine:
         sampling = [c.request for c in sched.chunks if c.sample]
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
-        tokens = sample(logits, sampling) if sampling else []
+        sampled = sample(logits, sampling, self.eos_token_ids) if sampling else SamplerOutput([], [])
         now = time.monotonic()
         outputs = []
-        for req, tok in zip(sampling, tokens):
+        for req, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
             req.output_token_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -353,9 +357,9 @@ class LLMEngine:
                     self._events.append(switch)
                 self.requests.pop(req.request_id, None)
                 state = RequestState.FINISHED_STOPPED if reason is FinishReason.STOP else RequestState.FINISHED_LENGTH
-                outputs.append(self._finish(req, state, reason, tok))
+                outputs.append(self._finish(req, state, reason, tok, lp))
             else:
-                outputs.append(self._output(req, [tok]))
+                outputs.append(self._output(req, [tok], lp))
         return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
@@ -369,13 +373,14 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, req: Request, state: RequestState, reason: FinishReason, tok: int | None = None):
+    def _finish(self, req: Request, state: RequestState, reason: FinishReason, tok: int | None = None,
+                lp: TokenLogprobs | None = None):
         req.state = state
         req.finish_reason = reason
         req.finish_time = time.monotonic()
-        return self._output(req, [tok] if tok is not None else [])
+        return self._output(req, [tok] if tok is not None else [], lp)
 
-    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], lp: TokenLogprobs | None = None) -> RequestOutput:
         finished = req.state.is_finished
         text = detokenizer.take_new_text(req, finished) if req.params.detokenize else ""
         return RequestOutput(
@@ -389,6 +394,7 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
+            logprobs=[lp] if lp is not None else None,
         )
 
     # -- offline convenience ---------------------------------------------

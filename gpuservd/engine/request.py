@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from gpuservd.errors import UserError
+from gpuservd.errors import FieldError
 
 
 class RequestState(enum.IntEnum):
@@ -37,38 +37,109 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
+
+
+@dataclass
+class GuidedSpec:
+    """A grammar the output must follow, as the client sent it (compiled by engine/grammar.py)."""
+
+    kind: str  # json_schema | json_object | regex | choice | grammar
+    value: str  # the schema as JSON text, the regex, the choices as a JSON array, or the grammar text
+    field: str  # the request field it came from, named in errors (response_format, guided_json, ...)
+
+
+def _check_range(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FieldError(f"{name} must be a number, got {value!r}", name)
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise FieldError(f"{name} must be in {interval}, got {value!r}", name)
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise FieldError(f"{name} must be an integer {bound}, got {value!r}", name)
+
+
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop; validated by `validate()`."""
+    """How to pick tokens and when to stop; validated by `validate()`.
+
+    Penalties follow OpenAI (presence/frequency, over the generated tokens) and
+    vLLM (repetition, over prompt and generated tokens); engine/sampler.py has
+    the formulas and the order they are applied in.
+    """
 
     max_tokens: int = 16  # new tokens at most
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    seed: int | None = None  # per-request RNG seed; same seed + params -> same tokens
+    min_p: float = 0.0  # 0 = off; drop tokens below min_p x the top token's probability
+    seed: int | None = None  # per-request RNG seed; same seed + params -> same tokens, whatever the batch
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides EOS
     ignore_eos: bool = False  # benchmarks force full lengths with this
     detokenize: bool = True  # produce text; benchmarks turn it off
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # (0, 2]: vLLM's; > 1 discourages tokens of the prompt and output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
+    logprobs: int | None = None  # None = off; N = the sampled token's logprob and the N most likely
+    guided: GuidedSpec | None = None  # a grammar the output must match (JSON schema, regex, choice, grammar)
 
     def validate(self) -> None:
-        """Raise UserError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise UserError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (0.0 <= float(self.temperature) <= 100.0):
-            raise UserError(f"temperature must be between 0 and 100, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (0.0 < float(self.top_p) <= 1.0):
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise UserError(f"seed must be an integer, got {self.seed!r}")
+        """Raise FieldError naming the first bad field."""
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_int("top_k", self.top_k, 0)
+        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise FieldError(f"seed must be an integer, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise UserError("stop must be a list of non-empty strings")
+            raise FieldError("stop must be a list of non-empty strings", "stop")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if not isinstance(self.logit_bias, dict):
+            raise FieldError("logit_bias must map token ids to numbers", "logit_bias")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise FieldError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}", "logit_bias")
+            _check_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise FieldError when a token id the request names is outside the model's vocabulary."""
+        for tok in self.logit_bias:
+            if tok >= vocab_size:
+                raise FieldError(f"logit_bias names token id {tok}; this model's ids are in [0, {vocab_size})",
+                                 "logit_bias")
+        for tok in self.stop_token_ids:
+            if not 0 <= tok < vocab_size:
+                raise FieldError(f"stop_token_ids names token id {tok}; this model's ids are in [0, {vocab_size})",
+                                 "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the three penalties is on (the sampler then counts the tokens seen)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for more than the token: argmax alone."""
+        return (self.greedy and not self.penalized and not self.logit_bias and not self.min_tokens
+                and self.logprobs is None and self.guided is None)
 
 
 @dataclass(frozen=True)
@@ -106,7 +177,8 @@ class Request:
     first_token_time: float | None = None  # monotonic time of the first output token
     finish_time: float | None = None
     # Sampling and detokenizer state (see engine/sampler.py, engine/detokenizer.py).
-    generator: object | None = None  # torch.Generator, made at the first sampled token
+    sample_seed: int = 0  # the seed of its random draws: params.seed, or a random one at admission
+    grammar: object | None = None  # its live grammar matcher (engine/grammar.py) while guided and unfinished
     text: str = ""  # output text so far (truncated at a stop string)
     emitted_len: int = 0  # characters of text already handed out
     detok_ids: list[int] = field(default_factory=list)  # decode window: prompt tail + outputs
@@ -165,3 +237,4 @@ class RequestOutput:
     arrival_time: float  # monotonic
     first_token_time: float | None  # monotonic, None until the first token
     finish_time: float | None  # monotonic, None until finished
+    logprobs: list | None = None  # one sampler.TokenLogprobs per new token when params.logprobs is set

@@ -1,60 +1,266 @@
-"""Token sampling: greedy rows in one batched argmax, the rest one row at a time.
+"""The batched sampler: one token per row of a step's logits, every row of the batch at once.
 
-Each sampled request owns a torch.Generator seeded from its `seed` (or from a
-fresh random seed), so a request's tokens do not depend on what else happens
-to be in the batch: the same seed and prompt give the same reply every time.
+Rows whose request is plain greedy (no penalty, bias, mask or logprobs) take
+one argmax over the batch (the CPU kernel where there is one). Every other row
+goes through the same tensor ops together, in this order:
+
+1. logit_bias is added (OpenAI: "added to the logits prior to sampling");
+2. min_tokens: EOS and the stop token ids get -inf until enough tokens are out
+   (not for grammar rows: there the grammar decides when the output may end);
+3. the allowed-token bitmask (grammars) sets -inf on every token it forbids;
+4. repetition_penalty (vLLM's): a logit of a token in the prompt or the output
+   is divided by it when positive and multiplied by it when negative;
+5. frequency and presence penalties (OpenAI's), over the generated tokens:
+   logit -= count * frequency_penalty + (count > 0) * presence_penalty;
+6. temperature (greedy rows keep 1), then min_p, top_k and top_p truncation
+   (top_p over the top-k renormalized probabilities, as transformers does).
+
+Logprobs are the log-softmax of the logits after all six: the distribution the
+token was actually drawn from, truncation and temperature included (vLLM's
+`processed_logprobs`; vLLM's default instead returns the raw model's). Greedy
+rows report the same processed logits at temperature 1, since a temperature of
+0 has no distribution. Tokens outside the truncation have logprob -inf.
+
+Random draws are counter-based, not stateful generators: row r draws one
+uniform number u = hash(seed_r, step_r), step_r = the tokens it has generated,
+and takes the token where the cumulative distribution passes u (inverse CDF).
+So a request's tokens depend only on its own seed, logits and position, never
+on which other requests share the batch, on preemption and recompute, or on the
+order rows happen to be in; the hash is integer tensor arithmetic over the
+batch, so the same code runs on CUDA (and inside a CUDA graph) with no host
+round trip and no per-row loop. SGLang's `multinomial_with_seed` takes the same
+approach (with Gumbel noise over the whole vocabulary; one draw per row is
+cheaper on a CPU).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from gpuservd.engine.request import Request
 from gpuservd.runner import cpu_kernels
 
-
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits [V] outside top-k and the top-p nucleus with -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        drop = probs.cumsum(-1) - probs > top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    return logits
+_M32 = 0xFFFFFFFF
+# Multipliers under 2**31 keep every product of a 32-bit value inside int64 (no overflow on any device).
+_MIX = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
+# Rows without top_k look for their top_p nucleus among this many most likely tokens first (a top-k
+# instead of a full sort of the vocabulary); a row whose nucleus is larger is sorted in full.
+NUCLEUS_CANDIDATES = 1024
 
 
-def _argmax(logits: torch.Tensor) -> list[int]:
+@dataclass
+class TokenLogprobs:
+    """The logprob of one sampled token and the most likely alternatives, from the processed logits."""
+
+    token_id: int  # the token sampled
+    logprob: float  # its logprob (-inf possible only for a token forced by a mask)
+    top: list[tuple[int, float]]  # the N most likely (token id, logprob), N = params.logprobs
+
+
+@dataclass
+class SamplerOutput:
+    """One step's choices, row by row in the order of the requests passed in."""
+
+    token_ids: list[int]  # the sampled token per row
+    logprobs: list[TokenLogprobs | None]  # per row; None where the request did not ask
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1), through the CPU kernel where there is one (torch's read SmolLM2's
     [64, 49152] logits at ~2 GB/s: 1.5 ms of a decode step)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         ops = cpu_kernels.get()
         if ops is not None:
-            return ops.argmax_rows(logits).tolist()
-    return torch.argmax(logits, dim=-1).tolist()
+            return ops.argmax_rows(logits)
+    return torch.argmax(logits, dim=-1)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """One token per row of logits [S, V] (fp32), for the matching requests."""
-    greedy = _argmax(logits) if any(r.params.greedy for r in requests) else []
-    out = []
-    for row, req in enumerate(requests):
-        p = req.params
-        if p.greedy:
-            out.append(greedy[row])
-            continue
-        if req.generator is None:
-            gen = torch.Generator(device=logits.device)
-            if p.seed is not None:
-                gen.manual_seed(p.seed)
-            else:
-                gen.seed()
-            req.generator = gen
-        filtered = _filter(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=req.generator).item()))
-    return out
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values < 2**32."""
+    for m in _MIX:
+        x = x ^ (x >> 16)
+        x = (x * m) & _M32
+    return x ^ (x >> 15)
+
+
+def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One number in (0, 1) per row (float64), a pure function of (seed, step): seeds, steps int64 [R]."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _mix32(_mix32(lo ^ _mix32(hi)) ^ (steps & _M32))
+    h2 = _mix32(h ^ 0x5BD1E995)
+    bits = (h << 21) | (h2 >> 11)  # 53 random bits
+    return (bits.to(torch.float64) + 0.5) / float(1 << 53)
+
+
+def _bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask int32 [R, W] (bit j of word w allows token 32 w + j) -> allowed bool [R, vocab]."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    pad = torch.zeros(bits.shape[0], vocab - bits.shape[1], dtype=torch.bool, device=bits.device)
+    return torch.cat([bits, pad], dim=1)  # ids past the grammar's vocabulary are never allowed
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    """Token id lists -> int64 [R, max len] padded with `pad` (at least one column)."""
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _apply_bias_and_min_tokens(x: torch.Tensor, reqs: list[Request], eos_ids, masked: list[bool]) -> None:
+    rows, cols, vals = [], [], []
+    banned_rows, banned_cols = [], []
+    for i, r in enumerate(reqs):
+        p = r.params
+        for tok, bias in p.logit_bias.items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(float(bias))
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens and not masked[i]:
+            ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            banned_rows += [i] * len(ends)
+            banned_cols += sorted(ends)
+    if rows:
+        x.index_put_((torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)),
+                     torch.tensor(vals, dtype=x.dtype, device=x.device), accumulate=True)
+    if banned_rows:
+        x[torch.tensor(banned_rows, device=x.device), torch.tensor(banned_cols, device=x.device)] = float("-inf")
+
+
+def _apply_penalties(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, on the rows that have any (x: [R, V])."""
+    idx = [i for i, r in enumerate(reqs) if r.params.penalized]
+    if not idx:
+        return x
+    R, V = len(idx), x.shape[1]
+    dev = x.device
+    sub = [reqs[i] for i in idx]
+    rows = torch.tensor(idx, device=dev)
+    y = x[rows]
+    out = _padded([r.output_token_ids for r in sub], V, dev)
+    counts = torch.zeros(R, V + 1, dtype=x.dtype, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=x.dtype))
+    counts = counts[:, :V]
+    rep = torch.tensor([r.params.repetition_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    if bool((rep != 1.0).any()):
+        prompt = _padded([r.prompt_token_ids for r in sub], V, dev)
+        seen = torch.zeros(R, V + 1, dtype=torch.bool, device=dev).scatter_(1, prompt, True)[:, :V] | (counts > 0)
+        y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    y = y - counts * freq - (counts > 0).to(x.dtype) * pres
+    x[rows] = y
+    return x
+
+
+def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """min_p, top_k and top_p over x [R, V] (after temperature); dropped tokens become -inf.
+    top_k int64 [R] (0 = off), top_p float [R] (1 = off), min_p float [R] (0 = off)."""
+    R, V = x.shape
+    neg = float("-inf")
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), neg)
+    has_k = top_k > 0
+    has_p = top_p < 1.0
+    if not bool((has_k | has_p).any()):
+        return x
+    want = int(top_k.max()) if bool(has_k.any()) else 0
+    if bool((has_p & ~has_k).any()):
+        want = max(want, NUCLEUS_CANDIDATES)
+    for k in (min(V, want), V):
+        vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending: [R, k]
+        pos = torch.arange(k, device=x.device).unsqueeze(0)
+        k_row = torch.where(has_k, top_k.clamp(max=k), torch.full_like(top_k, k)).unsqueeze(1)
+        vals = vals.masked_fill(pos >= k_row, neg)
+        # Probabilities renormalized over the top-k for rows with top_k, over the whole vocabulary otherwise.
+        lse = torch.where(has_k, torch.logsumexp(vals, -1), torch.logsumexp(x, -1)).unsqueeze(1)
+        sp = torch.exp(vals - lse)
+        cum = torch.cumsum(sp, dim=-1)
+        # The nucleus: the shortest prefix reaching top_p (the first token always stays).
+        keep = (cum - sp < top_p.unsqueeze(1)) & (pos < k_row)
+        covered = has_k | ~has_p | (cum[:, -1] >= top_p)
+        if k == V or bool(covered.all()):
+            break
+    out = torch.full_like(x, neg)
+    return out.scatter_(1, ids, vals.masked_fill(~keep, neg))
+
+
+def _choose(logprobs: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Greedy rows: argmax; the others: inverse CDF at their counter-based uniform. All [R]."""
+    best = torch.argmax(logprobs, dim=-1)
+    if bool(greedy.all()):
+        return best
+    probs = torch.exp(logprobs.double())
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniform(seeds, steps) * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp(max=logprobs.shape[1] - 1)
+    # Rounding at the very top of the CDF could land on a token of probability 0: take the best then.
+    ok = probs.gather(1, drawn.unsqueeze(1)).squeeze(1) > 0
+    return torch.where(greedy | ~ok, best, drawn)
+
+
+def _process(logits: torch.Tensor, reqs: list[Request], eos_ids, bitmask: torch.Tensor | None,
+             masked: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processed logprobs [R, V] and the chosen tokens [R] of the non-plain rows."""
+    dev = logits.device
+    x = logits.clone()
+    _apply_bias_and_min_tokens(x, reqs, eos_ids, masked)
+    if bitmask is not None and any(masked):
+        rows = torch.tensor([i for i, m in enumerate(masked) if m], device=dev)
+        allowed = _bitmask_to_bool(bitmask[rows.to(bitmask.device)].to(dev), x.shape[1])
+        x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+    x = _apply_penalties(x, reqs)
+    params = [r.params for r in reqs]
+    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=x.dtype, device=dev)
+    x = x / temps.unsqueeze(1)
+    x = _truncate(x,
+                  torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+                  torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev),
+                  torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev))
+    logprobs = torch.log_softmax(x, dim=-1)
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    seeds = torch.tensor([r.sample_seed & 0x7FFFFFFFFFFFFFFF for r in reqs], dtype=torch.long, device=dev)
+    steps = torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.long, device=dev)
+    return logprobs, _choose(logprobs, greedy, seeds, steps)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, reqs: list[Request]) -> list[TokenLogprobs | None]:
+    want = [r.params.logprobs for r in reqs]
+    if all(w is None for w in want):
+        return [None] * len(reqs)
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    n = max(w or 0 for w in want)
+    ids = chosen.tolist()
+    top_vals, top_ids = [[]] * len(reqs), [[]] * len(reqs)
+    if n:
+        vals, tops = torch.topk(logprobs, n, dim=-1)
+        top_vals, top_ids = vals.tolist(), tops.tolist()
+    return [None if w is None else TokenLogprobs(ids[i], picked[i], list(zip(top_ids[i][:w], top_vals[i][:w])))
+            for i, w in enumerate(want)]
+
+
+def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=frozenset(),
+           bitmask: torch.Tensor | None = None, masked: list[bool] | None = None) -> SamplerOutput:
+    """One token per row of logits [S, V] (fp32) for the matching requests.
+
+    bitmask int32 [S, ceil(V'/32)] (V' the grammar's vocabulary) limits the rows where masked[row] is
+    True to the tokens whose bit is set; other rows ignore their bitmask row.
+    """
+    masked = masked or [False] * len(requests)
+    plain = [r.params.plain_greedy and not m for r, m in zip(requests, masked)]
+    if all(plain):
+        return SamplerOutput(_argmax(logits).tolist(), [None] * len(requests))
+    chosen = _argmax(logits) if any(plain) else torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+    idx = [i for i, p in enumerate(plain) if not p]
+    rows = torch.tensor(idx, device=logits.device)
+    sub = [requests[i] for i in idx]
+    sub_mask = None if bitmask is None else bitmask[rows.to(bitmask.device)]
+    logprobs, picked = _process(logits[rows], sub, eos_token_ids, sub_mask, [masked[i] for i in idx])
+    chosen = chosen.index_copy(0, rows, picked.to(chosen.dtype))
+    out_lp: list[TokenLogprobs | None] = [None] * len(requests)
+    for i, lp in zip(idx, _gather_logprobs(logprobs, picked, sub)):
+        out_lp[i] = lp
+    return SamplerOutput(chosen.tolist(), out_lp)
