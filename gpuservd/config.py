@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuservd.errors import UserError
+from gpuservd.errors import Choice, UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -31,6 +31,39 @@ def parse_bytes(value, where: str) -> int:
     if not m:
         raise UserError(f"{where}: expected a size like 2GiB or 512MB, got {value!r}")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+# The named choices of the engine's settings. They live here, beside the settings they name, so
+# that validating a config needs nothing of the engine; the engine imports them from here.
+class Policy(Choice, setting="scheduler.policy"):
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # higher priority first, then arrival
+
+
+class VictimPolicy(Choice, setting="preemption.victim_policy"):
+    NEWEST = "newest"
+    MOST_REMAINING = "most_remaining"
+    PROGRESS = "progress"
+    WEIGHTED = "weighted"
+
+
+class PreemptionMode(Choice, setting="preemption.mode"):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class Granularity(Choice, setting="preemption.granularity"):
+    REQUEST = "request"
+    TOKEN = "token"
+    LAYER = "layer"
+
+
+class MoveKind(Choice, setting="preemption.kind"):
+    AUTO = "auto"  # the planner decides per victim
+    SWAP = "swap"  # every layer to the host
+    PARTIAL_SWAP = "partial_swap"  # layers [0, L-k) to the host, the last k parked on the device
+    RECOMPUTE = "recompute"  # drop the oldest blocks; rebuilt by a prefix prefill on resume
 
 
 ISOLATIONS = ("thread", "process")  # engine.isolation: where the daemon runs each model's engine
@@ -126,16 +159,11 @@ class EngineConfig:
                 f"scheduler.max_num_batched_tokens ({s.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({s.max_num_seqs}) so every running sequence can decode each step"
             )
-        from gpuservd.engine.policy import Policy
-        from gpuservd.engine.victim import VictimPolicy
-
         Policy.parse(s.policy)
         VictimPolicy.parse(self.preemption.victim_policy)
         p = self.preemption
         if p.max_preemptions < 1 or p.min_exec_s < 0:
             raise UserError("preemption.max_preemptions must be >= 1 and preemption.min_exec_s >= 0")
-        from gpuservd.engine.preemption import Granularity, MoveKind, PreemptionMode
-
         PreemptionMode.parse(p.mode)
         Granularity.parse(p.granularity)
         MoveKind.parse(p.kind)

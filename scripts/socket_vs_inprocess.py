@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args()
 
-    from gpuservd.api.bench_socket import run_socket
+    from gpuservd.bench.socket_run import run_socket
     from gpuservd.bench.engine_run import run_gpuserv
     from gpuservd.bench.workload import load_workload
     from gpuservd.config import load_config

@@ -448,7 +448,7 @@ def test_cli_status_generate_requests_against_the_daemon(daemon):
 
 
 def test_bench_through_the_socket_is_exact(daemon):
-    from gpuservd.api.bench_socket import run_socket
+    from gpuservd.bench.socket_run import run_socket
     from gpuservd.bench.workload import WorkloadRequest
 
     reqs = [WorkloadRequest(f"r{i}", "short", 0.0, [5 + i] * (4 + i), 6 + i, model="tiny") for i in range(4)]

@@ -72,8 +72,9 @@ def test_sweep_on_the_tiny_model_writes_json_markdown_and_plot(swept):
 def test_the_daemon_reads_the_latest_sweep(swept):
     swept = swept[0]
     from gpuservd.hints.monitor import _sweeps
+    from gpuservd.hints.sweeps import latest_sweep
 
-    latest = sweep.latest_sweep("tiny")
+    latest = latest_sweep("tiny")
     assert latest["plateau_batch"] == json.loads((swept / "result.json").read_text())["plateau_batch"]
     assert latest["path"].endswith("sweeps/tiny.json")
     assert _sweeps({"tiny": {}, "other": {}}) == {"tiny": latest}

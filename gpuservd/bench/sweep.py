@@ -24,7 +24,7 @@ no plateau in the range (a CPU: bigger batches keep amortising per-step
 overheads while each token takes longer).
 
 The latest result per model is also kept at `$GPUSERV_HOME/sweeps/<model>.json`,
-where the daemon's `batch_past_plateau` hint reads it. torch is imported only
+where the daemon's `batch_past_plateau` hint reads it (hints/sweeps.py). torch is imported only
 inside the functions that run the engine.
 """
 
@@ -35,35 +35,10 @@ import statistics
 import time
 from pathlib import Path
 
-from gpuservd.paths import gpuserv_home
+from gpuservd.hints.sweeps import sweep_path
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 PLATEAU_SHARE = 0.9
-
-
-def sweep_path(model: str) -> Path:
-    return gpuserv_home() / "sweeps" / f"{model}.json"
-
-
-_cache: dict[str, tuple[float, dict]] = {}  # model -> (mtime, result): the daemon reads it once a second
-
-
-def latest_sweep(model: str) -> dict | None:
-    """The model's latest sweep result, or None when it has never been swept here."""
-    path = sweep_path(model)
-    try:
-        mtime = path.stat().st_mtime
-    except OSError:
-        return None
-    hit = _cache.get(model)
-    if hit is None or hit[0] != mtime:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        data["path"] = str(path)
-        _cache[model] = hit = (mtime, data)
-    return hit[1]
 
 
 def find_plateau(points: list[dict], share: float = PLATEAU_SHARE) -> dict:

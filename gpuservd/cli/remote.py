@@ -59,7 +59,7 @@ def chat_remote(socket: Optional[Path], model: str, system: Optional[str], param
 def bench_socket(workload_path: Path, socket: Optional[Path], out_dir: Optional[Path], model: Optional[str],
                  log=print) -> dict:
     """`gpuserv bench --target socket`: the workload through a running daemon's HTTP socket, same report."""
-    from gpuservd.api.bench_socket import run_socket
+    from gpuservd.bench.socket_run import run_socket
     from gpuservd.bench.report import write_report
     from gpuservd.bench.workload import load_workload
     from gpuservd.engine.tokenizer import load_tokenizer

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from gpuservd.config import Policy
 from gpuservd.engine.request import Request
-from gpuservd.errors import Choice
-
-
-class Policy(Choice, setting="scheduler.policy"):
-    FCFS = "fcfs"  # arrival order
-    PRIORITY = "priority"  # higher priority first, then arrival
 
 
 def queue_key(policy: Policy) -> Callable[[Request], tuple]:

@@ -20,26 +20,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from gpuservd.errors import Choice
-
-
-class PreemptionMode(Choice, setting="preemption.mode"):
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
-
-
-class Granularity(Choice, setting="preemption.granularity"):
-    REQUEST = "request"
-    TOKEN = "token"
-    LAYER = "layer"
-
-
-class MoveKind(Choice, setting="preemption.kind"):
-    AUTO = "auto"  # the planner decides per victim
-    SWAP = "swap"  # every layer to the host
-    PARTIAL_SWAP = "partial_swap"  # layers [0, L-k) to the host, the last k parked on the device
-    RECOMPUTE = "recompute"  # drop the oldest blocks; rebuilt by a prefix prefill on resume
+from gpuservd.config import Granularity, MoveKind, PreemptionMode
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.3) -> float:

@@ -19,16 +19,8 @@ engine never deadlocks.
 
 from __future__ import annotations
 
-from gpuservd.config import PreemptionConfig
+from gpuservd.config import PreemptionConfig, VictimPolicy
 from gpuservd.engine.request import Request
-from gpuservd.errors import Choice
-
-
-class VictimPolicy(Choice, setting="preemption.victim_policy"):
-    NEWEST = "newest"
-    MOST_REMAINING = "most_remaining"
-    PROGRESS = "progress"
-    WEIGHTED = "weighted"
 
 
 def remaining_tokens(r: Request) -> int:

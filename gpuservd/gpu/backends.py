@@ -29,10 +29,18 @@ from __future__ import annotations
 import abc
 import threading
 
-from gpuservd.errors import UserError
+from gpuservd.errors import Choice, UserError
 from gpuservd.gpu.mps import MpsDaemon, detect_mps, worker_env
 from gpuservd.gpu.readings import NO_CUDA, cuda_index
-from gpuservd.sharing.config import Backend
+
+
+class Backend(Choice, setting="sharing.backend"):
+    """The partition backend a config asks for; `choose_backend` turns it into a PartitionBackend."""
+
+    AUTO = "auto"
+    GREEN_CONTEXT = "green_context"
+    MPS = "mps"
+    NONE = "none"
 
 
 class PartitionBackend(abc.ABC):

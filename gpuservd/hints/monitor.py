@@ -21,6 +21,7 @@ from gpuservd.hints.rule import Rule, Thresholds, missing_inputs
 from gpuservd.hints.rules_cache import RULES as CACHE_RULES
 from gpuservd.hints.rules_device import RULES as DEVICE_RULES
 from gpuservd.hints.rules_sched import RULES as SCHED_RULES
+from gpuservd.hints.sweeps import latest_sweep
 from gpuservd.hints.window import Window
 
 log = logging.getLogger("gpuservd.hints")
@@ -151,6 +152,4 @@ class HintMonitor:
 
 
 def _sweeps(models: dict) -> dict:
-    from gpuservd.bench.sweep import latest_sweep
-
     return {m: s for m in models if (s := latest_sweep(m)) is not None}

@@ -10,11 +10,11 @@ partial-layer swap moves whole per-layer slabs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from gpuservd.kv_cache.block_pool import BlockPool
-from gpuservd.runner.model_config import ModelArch
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,16 @@ class CacheShape:
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
 
 
-def cache_shape(arch: ModelArch, block_size: int, dtype: torch.dtype) -> CacheShape:
+class KVShapeSource(Protocol):
+    """What the cache needs of a model's architecture (runner/model_config.py's ModelArch has it).
+    The KV cache sits below the runner, so it names the fields it reads instead of importing the runner."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def cache_shape(arch: KVShapeSource, block_size: int, dtype: torch.dtype) -> CacheShape:
     return CacheShape(arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
 
 

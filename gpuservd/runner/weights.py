@@ -19,6 +19,7 @@ from safetensors import safe_open
 from gpuservd.errors import StoreCorrupt
 from gpuservd.runner.linear import Linear, onednn_available
 from gpuservd.runner.model_config import ModelArch
+from gpuservd.runner.qtensor import QTensor
 from gpuservd.store.readahead import FileReadahead
 
 
@@ -188,8 +189,6 @@ class Upload:
 
     def tensor(self, names, dtype: torch.dtype) -> torch.Tensor:
         """The named tensors, concatenated along dim 0 (fused q/k/v, gate/up), on the device in dtype."""
-        from gpuservd.weights.quant import QTensor
-
         names = [names] if isinstance(names, str) else list(names)
         stored = getattr(self.reader, "get_stored", self.reader.get)
         parts = [stored(n) for n in names]

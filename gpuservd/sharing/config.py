@@ -24,18 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuservd.errors import Choice, UserError
+from gpuservd.gpu.backends import Backend
 
 
 class SharingClass(Choice, setting="sharing.models.<name>.class"):
     LATENCY_CRITICAL = "latency_critical"
     BEST_EFFORT = "best_effort"
-
-
-class Backend(Choice, setting="sharing.backend"):
-    AUTO = "auto"
-    GREEN_CONTEXT = "green_context"
-    MPS = "mps"
-    NONE = "none"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Per-channel symmetric INT8 weights (M4): what the host and disk tiers may hold.
+"""Per-channel symmetric INT8 weights: what the host and disk tiers may hold, to move fewer bytes.
 
 A matrix W [out, in] is stored as q = round(W / s) in int8 with one fp32 scale
 s = max|W[row]| / 127 per output row; it is expanded to the compute dtype on
@@ -7,27 +7,9 @@ the device (q * s). A quarter of fp32's bytes cross the host -> device link.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class QTensor:
-    """An int8 matrix with a per-row scale."""
-
-    q: torch.Tensor  # int8 [out, in]
-    scale: torch.Tensor  # float32 [out]
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """q * s in `dtype`: one pass, computed in fp32 and rounded once (int8 -> fp32 -> product -> cast
-        took three passes and 1.6x the time for a 2048 x 11264 matrix on this CPU, same result)."""
-        out = torch.empty(self.q.shape, dtype=dtype, device=self.q.device)
-        return torch.mul(self.q, self.scale[:, None], out=out)
+from gpuservd.runner.qtensor import QTensor
 
 
 def quantize_int8(w: torch.Tensor) -> QTensor:
