@@ -71,6 +71,18 @@ def test_rope_store_kv(ops, dtype):
         bad = batch.slots.clone()
         bad[0] = 6 * block_size
         ops.rope_store_kv(qkv.clone(), cos, sin, k_got, v_got, bad, heads, kv_heads)
+    # Padding rows of a fixed-shape batch (slot -1) are rotated but write nowhere.
+    pad = batch.slots.clone()
+    pad[1::2] = -1
+    k_pad, v_pad = torch.zeros_like(k_want), torch.zeros_like(v_want)
+    got = qkv.clone()
+    ops.rope_store_kv(got, cos, sin, k_pad, v_pad, pad, heads, kv_heads)
+    torch.testing.assert_close(got[:, : heads + kv_heads], rotated, **TOL[dtype])
+    kept = pad[pad >= 0]
+    flat = (-1, kv_heads, dim)
+    assert torch.equal(k_pad.view(flat)[kept], k_got.view(flat)[kept])
+    assert torch.equal(v_pad.view(flat)[kept], v_want.view(flat)[kept])
+    assert int((k_pad.view(flat).abs().sum((1, 2)) != 0).sum()) == len(kept)  # nothing else written
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,7 +9,11 @@ of cpu_kernels.py, which reads the blocks in place: in a same-process A/B it
 was faster than the gather + SDPA path below at every batch size and context
 length measured (bench/results/2026-11-29-cpu-paged-attention), mostly because
 the gather copy, half of the torch path's time at long context, is gone.
-Where the kernel is not available (not built, another device), decode tokens
+On CUDA they attend through the Triton kernel of triton_attention.py (one
+program per sequence and KV head for the whole GQA group, the context split
+into partitions and merged), which reads lengths and block tables from device
+memory, so a captured CUDA graph replays it for any lengths.
+Where no kernel is available (not built, Triton missing), decode tokens
 attend in groups of similar context length (see batch.py): each group is one
 fused `scaled_dot_product_attention` over its gathered blocks, the query heads
 of each KV head standing in as the query rows (they all see the whole
@@ -22,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpuservd.runner import cpu_kernels
+from gpuservd.runner import cpu_kernels, gpu_kernels
 from gpuservd.runner.batch import DecodeGroup, ForwardBatch, PrefillMeta
 
 
@@ -59,10 +63,9 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """Attention of the decode queries q [B, heads, head_dim] over their cached contexts."""
-    if q.device.type == "cpu":
-        ops = cpu_kernels.get()
-        if ops is not None:
-            return ops.paged_decode(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
+    ops = cpu_kernels.get() if q.device.type == "cpu" else gpu_kernels.get(q.device, q.dtype)
+    if ops is not None:
+        return ops.paged_decode(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, batch, scale)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpuservd.runner import cpu_kernels
+from gpuservd.runner import cpu_kernels, gpu_kernels
 from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
 from gpuservd.runner.model_config import ModelArch
@@ -38,8 +38,12 @@ class LlamaModel:
         self.rope = RopeTables(arch, max_len, dtype, self.device)
         self.scale = arch.head_dim ** -0.5
         self._q_size = arch.num_heads * arch.head_dim
-        # The fused C++ layer steps (cpu_kernels.py), built or loaded now rather than in the first step.
-        self._ops = cpu_kernels.get() if self.device.type == "cpu" else None
+        # The fused layer steps, built or loaded now rather than in the first step: C++ on the CPU
+        # (cpu_kernels.py), Triton on CUDA (gpu_kernels.py); None = torch ops.
+        if self.device.type == "cpu":
+            self._ops = cpu_kernels.get()
+        else:
+            self._ops = gpu_kernels.get(self.device, dtype)
         # Called between a layer's attention and its MLP (the halfway point of every layer): the sharing
         # arbiter's yield point, so a neighbour waits at most half a layer of this model (G2). None = no call.
         self.mid_layer = None

@@ -192,7 +192,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 }
 
 // qkv [T, H + 2 KVH, D]: rotate the q and k heads in place (rotate-half rope with cos/sin [T, D]),
-// then store k and v of token t at flat cache slot slots[t] of k_cache / v_cache [N, bs, KVH, D].
+// then store k and v of token t at flat cache slot slots[t] of k_cache / v_cache [N, bs, KVH, D]
+// (slot -1: nowhere).
 void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.device().is_cpu(), "rope_store_kv: qkv must be contiguous");
@@ -210,7 +211,8 @@ void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
               "rope_store_kv: slots must be int64 [T]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_store_kv: slot out of range");
+  // Slot -1: a padding row of a fixed-shape batch, rotated but stored nowhere.
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "rope_store_kv: slot out of range");
   GPUSERV_DISPATCH(qkv.scalar_type(), "rope_store_kv", {
     scalar_t* x = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -233,6 +235,7 @@ void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
             xh[c] = static_cast<scalar_t>(a + b);
           }
         }
+        if (sp[t] < 0) continue;
         std::memcpy(kc + sp[t] * kv_row, x + t * row + num_heads * D, kv_row * sizeof(scalar_t));
         std::memcpy(vc + sp[t] * kv_row, x + t * row + rot * D, kv_row * sizeof(scalar_t));
       }
