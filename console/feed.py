@@ -34,10 +34,6 @@ RECENT_STEPS = 256  # steps per model replayed on connect (fills the latency win
 LINK_ERRORS = (DaemonUnavailable, httpx.HTTPError, OSError, json.JSONDecodeError)
 
 
-class StreamEnded(Exception):
-    """The daemon closed the event stream (it is stopping)."""
-
-
 class ReadOnly(Exception):
     """An action on a replayed recording."""
 
@@ -157,7 +153,7 @@ class ReplayFeed:
         return await self._read_only()
 
 
-class Recorder:
+class FeedRecorder:
     """Collects what a LiveFeed receives (pass `recorder.sink` as its sink) and writes it as NDJSON."""
 
     def __init__(self):
@@ -173,7 +169,7 @@ class Recorder:
 
 async def record(path: str | Path, socket_path: str | Path | None, seconds: float) -> int:
     """Record what the console would see for `seconds` into an NDJSON file; returns the number of lines."""
-    recorder = Recorder()
+    recorder = FeedRecorder()
     task = asyncio.ensure_future(LiveFeed(ConsoleState(), socket_path, sink=recorder.sink).run())
     try:
         await asyncio.sleep(seconds)

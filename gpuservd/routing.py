@@ -79,10 +79,6 @@ class VersionRouter:
             counts[version] = counts.get(version, 0) + 1
             return version
 
-    def versions_of(self, name: str) -> list[str]:
-        with self._lock:
-            return list(self.table.get(name, {}))
-
     def status(self) -> dict:
         with self._lock:
             return {alias: {"weights": dict(w), "served": dict(self.served.get(alias, {}))}

@@ -611,7 +611,7 @@ class Serving:
         """Weight bytes a model will add to the device (from its files' headers; nothing is read):
         a variant's delta, plus its base's weights when they are not there yet (M6)."""
         from gpuservd.runner.model_runner import DTYPES
-        from gpuservd.runner.weights import SafetensorsReader, expected_bytes
+        from gpuservd.runner.load import SafetensorsReader, expected_bytes
         from gpuservd.store.store import ModelStore
 
         store, dtype = ModelStore(), DTYPES[self.config.engine.dtype]
@@ -667,7 +667,7 @@ class Serving:
         return SharedSource(source, share), tier
 
     def _variant_source(self, name: str, base: str, model_dir):
-        from gpuservd.runner.weights import load_weights
+        from gpuservd.runner.load import load_weights
         from gpuservd.store.layout import read_config
         from gpuservd.store.store import ModelStore
         from gpuservd.weights.delta import VariantSource
@@ -702,7 +702,7 @@ class Serving:
         return source, tier
 
     def _keep_host_copy(self, name: str, model_dir) -> None:
-        from gpuservd.runner.weights import SafetensorsReader
+        from gpuservd.runner.load import SafetensorsReader
 
         try:
             self.cache.keep_host_copy(name, SafetensorsReader(model_dir))

@@ -74,7 +74,7 @@ def test_int8_weights_are_expanded_on_the_device(tiny_model_dir, tmp_path):
 
     from gpuservd.config import EngineConfig
     from gpuservd.engine.engine import LLMEngine
-    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.runner.load import SafetensorsReader
     from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
 
     d = tmp_path / "tiny"

@@ -20,14 +20,6 @@ def make_engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine("tiny", model_dir, cfg)
 
 
-def hf_greedy(model_dir, prompt, n):
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 def run_all(engine):
     outs = {}
     while engine.has_unfinished():

@@ -14,7 +14,7 @@ from gpuservd.runner.batch import SeqChunk, build_batch
 from gpuservd.runner.llama import LlamaModel, rms_norm
 from gpuservd.runner.model_config import load_arch
 from gpuservd.runner.rope import apply_rope
-from gpuservd.runner.weights import load_weights
+from gpuservd.runner.load import load_weights
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # fp32: summation order and fused multiply-adds only. bf16/fp16: one rounding step apart at most.

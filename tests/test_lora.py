@@ -13,10 +13,10 @@ from factories import make_hf_model
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.cache import KVCache, cache_shape
 from gpuservd.runner.batch import SeqChunk, build_batch
-from gpuservd.runner.delta import DeltaLinear
+from gpuservd.runner.variant_weights import DeltaLinear
 from gpuservd.runner.llama import LlamaModel
 from gpuservd.runner.model_config import load_arch
-from gpuservd.runner.weights import load_weights
+from gpuservd.runner.load import load_weights
 from gpuservd.store import variant as vspec
 from gpuservd.weights.delta import VariantSource, make_adapter, merged_state_dict
 

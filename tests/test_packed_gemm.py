@@ -114,7 +114,7 @@ def test_tied_embedding_is_one_packed_tensor(pk, tmp_path, monkeypatch):
     from factories import make_model_dir
 
     from gpuservd.runner.model_config import load_arch
-    from gpuservd.runner.weights import load_weights
+    from gpuservd.runner.load import load_weights
 
     tiny_model_dir = make_model_dir(tmp_path / "tied", tie_word_embeddings=True)
     arch = load_arch(tiny_model_dir)

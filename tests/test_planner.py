@@ -15,7 +15,7 @@ from cli_invoke import invoke
 from gpuservd.cli.main import app
 from gpuservd.errors import UserError
 from gpuservd.sharing.config import sharing_from_dict
-from gpuservd.sharing.hardware import (Granularity, Hardware, granularity, hardware_from_device, list_hardware,
+from gpuservd.sharing.hardware import (SmGranularity, Hardware, granularity, hardware_from_device, list_hardware,
                                        load_hardware)
 from gpuservd.sharing.planner import (CUDA_OVERHEAD_BYTES, RECOMMENDED_STEP, allocate_sms,
                                       estimate_activation_bytes, memory_quota, plan)
@@ -37,7 +37,7 @@ def hw(num_sms: int, cc=(8, 0), memory=80 * GB) -> Hardware:
     return Hardware(name=f"made-up-{num_sms}", num_sms=num_sms, compute_capability=cc, memory_bytes=memory)
 
 
-def check_partition(alloc: dict, num_sms: int, gran: Granularity):
+def check_partition(alloc: dict, num_sms: int, gran: SmGranularity):
     assert sum(alloc.values()) <= num_sms
     for n, sms in alloc.items():
         assert sms >= gran.min_sms and sms % gran.align_sms == 0, (n, sms, gran)
@@ -75,10 +75,10 @@ def test_profiles_carry_the_briefs_numbers():
 
 
 def test_granularity_by_compute_capability():
-    assert granularity((9, 0)) == Granularity(8, 8)
-    assert granularity((10, 0)) == Granularity(8, 8)
-    assert granularity((8, 0)) == granularity((8, 9)) == Granularity(4, 2)
-    assert granularity((7, 0)) == granularity((7, 5)) == Granularity(2, 2)
+    assert granularity((9, 0)) == SmGranularity(8, 8)
+    assert granularity((10, 0)) == SmGranularity(8, 8)
+    assert granularity((8, 0)) == granularity((8, 9)) == SmGranularity(4, 2)
+    assert granularity((7, 0)) == granularity((7, 5)) == SmGranularity(2, 2)
 
 
 @pytest.mark.parametrize("num_sms,cc,shares,expected,spare", [

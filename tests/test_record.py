@@ -10,7 +10,7 @@ import json
 import threading
 import time
 
-from gpuservd.bench.record import Recorder, record, trace_line
+from gpuservd.bench.record import TraceRecorder, record, trace_line
 from gpuservd.bench.workload import load_workload
 from gpuservd.events import EventBus
 
@@ -40,7 +40,7 @@ def test_trace_line_skips_what_would_not_replay():
 
 def test_recorder_joins_prompts_only_when_asked():
     out = io.StringIO()
-    rec = Recorder(out, T0, with_prompts=True)
+    rec = TraceRecorder(out, T0, with_prompts=True)
     rec.feed({"type": "request_prompt", "request_id": "r1", "prompt": "secret text"})
     rec.feed(done("r1"))
     rec.feed(done("r2", status=500))

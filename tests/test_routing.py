@@ -139,7 +139,7 @@ def three_models(store_home, tiny_model_dir):
     """a, b, c: the tiny model under three names; returns the bytes one takes on the device."""
     import torch
 
-    from gpuservd.runner.weights import SafetensorsReader, expected_bytes
+    from gpuservd.runner.load import SafetensorsReader, expected_bytes
     from gpuservd.store.store import ModelStore
 
     store = ModelStore()

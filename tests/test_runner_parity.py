@@ -10,7 +10,7 @@ from gpuservd.kv_cache.cache import KVCache, cache_shape
 from gpuservd.runner.batch import SeqChunk, build_batch, group_decodes
 from gpuservd.runner.llama import LlamaModel
 from gpuservd.runner.model_config import load_arch
-from gpuservd.runner.weights import load_weights
+from gpuservd.runner.load import load_weights
 from gpuservd.runner.model_runner import DTYPES
 
 CASES = {

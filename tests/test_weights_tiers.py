@@ -11,7 +11,7 @@ from gpuservd.config import EngineConfig
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
 from gpuservd.errors import StoreCorrupt
-from gpuservd.runner.weights import SafetensorsReader
+from gpuservd.runner.load import SafetensorsReader
 from gpuservd.weights.host_tier import HostCopy
 from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
 from gpuservd.weights.quant import quantize_int8
@@ -139,7 +139,7 @@ def test_layers_are_read_ahead_of_the_loader(tiny_model_dir, tmp_path):
     import shutil
 
     from gpuservd.runner.model_config import load_arch
-    from gpuservd.runner.weights import READ_AHEAD_LAYERS, load_weights
+    from gpuservd.runner.load import READ_AHEAD_LAYERS, load_weights
     from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
 
     arch = load_arch(tiny_model_dir)

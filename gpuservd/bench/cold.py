@@ -39,7 +39,7 @@ def drop_page_cache(paths) -> None:
 
 def _engine(model: str, model_dir: Path, cfg, strategy: str, initial_layers: int):
     from gpuservd.engine.engine import LLMEngine
-    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.runner.load import SafetensorsReader
     from gpuservd.weights.int8_file import Int8Reader, int8_path
 
     source = Int8Reader(int8_path(model_dir)) if strategy.endswith("int8") else SafetensorsReader(model_dir)
@@ -126,7 +126,7 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
                    num_threads: int | None = None, log=print, device: str = "cpu", dtype: str = "float32") -> dict:
     from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
     from gpuservd.config import EngineConfig
-    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.runner.load import SafetensorsReader
     from gpuservd.store.store import ModelStore
     from gpuservd.weights.int8_file import int8_path, write_int8
 

@@ -41,7 +41,7 @@ def trace_line(event: dict, t0: float, prompt: str | None = None) -> dict | None
     return line
 
 
-class Recorder:
+class TraceRecorder:
     """Turns the event stream into trace lines, written (and flushed) as requests finish."""
 
     def __init__(self, out, t0: float, with_prompts: bool = False):
@@ -84,13 +84,13 @@ def _stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def record(client, out_path: Path, seconds: float | None, with_prompts: bool = False, log=print) -> Recorder:
+def record(client, out_path: Path, seconds: float | None, with_prompts: bool = False, log=print) -> TraceRecorder:
     """Record until `seconds` pass (None: until Ctrl-C); the stream is read on a helper thread so an idle
     daemon does not hold the recording open past its time."""
     types = ["request_finished"] + (["request_prompt"] if with_prompts else [])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w") as out:
-        rec = Recorder(out, time.time(), with_prompts)
+        rec = TraceRecorder(out, time.time(), with_prompts)
         failed: list[BaseException] = []
         connected = threading.Event()
 

@@ -43,7 +43,7 @@ def _weights_run(base_dir: Path, variant_dir: Path, base_cfg: dict, dtype) -> di
     import torch
 
     from gpuservd.runner.model_config import load_arch
-    from gpuservd.runner.weights import SafetensorsReader, load_weights
+    from gpuservd.runner.load import SafetensorsReader, load_weights
     from gpuservd.weights.delta import CountingSource, VariantSource
 
     arch = load_arch(base_dir)
@@ -115,7 +115,7 @@ def _logit_change(base_dir: Path, variant_dir: Path, base_cfg: dict) -> float:
     from gpuservd.runner.batch import SeqChunk, build_batch
     from gpuservd.runner.llama import LlamaModel
     from gpuservd.runner.model_config import load_arch
-    from gpuservd.runner.weights import load_weights
+    from gpuservd.runner.load import load_weights
     from gpuservd.weights.delta import VariantSource
 
     arch = load_arch(base_dir)

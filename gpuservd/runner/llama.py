@@ -15,7 +15,7 @@ from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.rope import RopeTables, apply_rope
-from gpuservd.runner.weights import LayerWeights, ModelWeights
+from gpuservd.runner.model_weights import LayerWeights, ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

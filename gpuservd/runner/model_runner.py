@@ -13,7 +13,7 @@ from gpuservd.kv_cache.cache import KVCache, cache_shape
 from gpuservd.runner.batch import SeqChunk, build_batch
 from gpuservd.runner.llama import LlamaModel
 from gpuservd.runner.model_config import ModelArch, load_arch
-from gpuservd.runner.weights import load_weights
+from gpuservd.runner.load import load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

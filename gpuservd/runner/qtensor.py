@@ -1,4 +1,4 @@
-"""An INT8 matrix as a weight source may hand it to the loader (runner/weights.py's Upload).
+"""An INT8 matrix as a weight source may hand it to the loader (runner/load.py's Upload).
 
 The host and disk tiers may hold weights as INT8 (weights/quant.py makes them); the
 loader expands them to the compute dtype on the device, so only a quarter of fp32's

@@ -33,14 +33,14 @@ _KEYS = {"name", "description", "num_sms", "compute_capability", "memory", "mem_
 
 
 @dataclass(frozen=True)
-class Granularity:
+class SmGranularity:
     """How finely a device's SMs can be split into green-context partitions."""
 
     min_sms: int  # the smallest partition
     align_sms: int  # every partition is a multiple of this
 
 
-def granularity(compute_capability: tuple[int, int], tpc_sms: int = 2) -> Granularity:
+def granularity(compute_capability: tuple[int, int], tpc_sms: int = 2) -> SmGranularity:
     """Minimum partition and alignment for cuDevSmResourceSplitByCount, by compute capability.
 
     CUDA driver API 12.4, Green Contexts: "On Compute Architecture 6.X: The minimum count is 1 SM.
@@ -52,10 +52,10 @@ def granularity(compute_capability: tuple[int, int], tpc_sms: int = 2) -> Granul
     """
     major = compute_capability[0]
     if major >= 9:
-        return Granularity(min_sms=8, align_sms=8)
+        return SmGranularity(min_sms=8, align_sms=8)
     if major == 8:
-        return Granularity(min_sms=max(4, tpc_sms), align_sms=tpc_sms)
-    return Granularity(min_sms=tpc_sms, align_sms=tpc_sms)
+        return SmGranularity(min_sms=max(4, tpc_sms), align_sms=tpc_sms)
+    return SmGranularity(min_sms=tpc_sms, align_sms=tpc_sms)
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Hardware:
     notes: tuple[str, ...] = field(default=())  # what was assumed (e.g. an unreported compute capability)
 
     @property
-    def granularity(self) -> Granularity:
+    def granularity(self) -> SmGranularity:
         return granularity(self.compute_capability, self.tpc_sms)
 
     @property

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from gpuservd.errors import ModelNotFound, UserError
-from gpuservd.sharing.hardware import Granularity, Hardware
+from gpuservd.sharing.hardware import SmGranularity, Hardware
 
 RECOMMENDED_STEP = 8  # G1: partitions are recommended in multiples of 8 SMs
 CUDA_OVERHEAD_BYTES = 512 * 1024**2  # per model: CUDA context share, cuBLAS workspace, allocator slack
@@ -77,7 +77,7 @@ class Group:
                 "raw_sms": round(self.raw_sms, 3), "num_sms": self.num_sms}
 
 
-def allocate_sms(shares: dict[str, float], num_sms: int, gran: Granularity,
+def allocate_sms(shares: dict[str, float], num_sms: int, gran: SmGranularity,
                  recommended: int = RECOMMENDED_STEP) -> tuple[dict[str, int], list[str]]:
     """SMs per group (rules in the module docstring) and warnings; the spare is num_sms - sum."""
     names = list(shares)

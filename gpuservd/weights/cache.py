@@ -270,10 +270,6 @@ class WeightCache:
             self.host[model] = copy
             return copy
 
-    def drop_host_copy(self, model: str) -> None:
-        with self._lock:
-            self.host.pop(model, None)
-
     # -- reporting --------------------------------------------------------
     def residency(self, model: str) -> dict:
         with self._lock:

@@ -4,7 +4,7 @@ Design (the decision M6 asks for): a base's weights are one `ModelWeights` objec
 in memory, shared *by reference* between the base's engine and the engines of its
 variants; the device tier counts its bytes once (under the base's name), and each
 variant's entry counts only its delta. A variant's delta is applied at run time,
-unmerged (runner/delta.py), because merging would need a private copy of every
+unmerged (runner/variant_weights.py), because merging would need a private copy of every
 targeted base matrix (the shared one must not change: other models read it). So loading a variant whose base is resident reads only the
 adapter file: `VariantSource` never opens the base's safetensors. When only the
 variant is asked for, the daemon loads the base's weights first as a hidden
@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from gpuservd.errors import StoreCorrupt, UserError
-from gpuservd.runner.delta import DeltaTerm, FullPart, LoraPart, VariantWeights
+from gpuservd.runner.variant_weights import DeltaTerm, FullPart, LoraPart, VariantWeights
 from gpuservd.runner.linear import onednn_available
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.store import variant as vspec
@@ -66,7 +66,7 @@ class SharedSource:
         self.share = share
 
     def build_weights(self, arch, dtype, device, initial_layers=None, on_layer=None):
-        from gpuservd.runner.weights import load_weights
+        from gpuservd.runner.load import load_weights
 
         return self.share(lambda: load_weights(self.source, arch, dtype, device, initial_layers=initial_layers,
                                                on_layer=on_layer))

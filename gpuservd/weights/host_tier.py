@@ -68,7 +68,3 @@ class HostCopy:
         if t is None:
             raise StoreCorrupt(f"{self.model}: tensor {name!r} is not in its host copy")
         return t
-
-    def bytes_of(self, name: str) -> int:
-        t = self.tensors[name]
-        return t.nbytes if isinstance(t, QTensor) else t.numel() * t.element_size()

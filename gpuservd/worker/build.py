@@ -33,7 +33,7 @@ class WorkerSpec:
 def store_source(model_dir: Path, compression: str) -> tuple[Any, str, int]:
     """(tensor source, tier name, bytes it reads) from the store: the INT8 file under compression int8
     (written on first use), else the safetensors files."""
-    from gpuservd.runner.weights import SafetensorsReader
+    from gpuservd.runner.load import SafetensorsReader
 
     model_dir = Path(model_dir)
     reader = SafetensorsReader(model_dir)

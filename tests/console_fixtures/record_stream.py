@@ -23,14 +23,14 @@ sys.path.insert(0, str(HERE.parent.parent))
 from daemon_harness import DaemonProcess, make_home  # noqa: E402
 from factories import make_model_dir  # noqa: E402
 
-from console.feed import LiveFeed, Recorder  # noqa: E402
+from console.feed import LiveFeed, FeedRecorder  # noqa: E402
 from console.state import ConsoleState  # noqa: E402
 from console_fixtures.workload import SQUEEZED, burst  # noqa: E402
 
 
-async def _record(socket_path, timeout: float = 30.0) -> Recorder:
+async def _record(socket_path, timeout: float = 30.0) -> FeedRecorder:
     state = ConsoleState()
-    recorder = Recorder()
+    recorder = FeedRecorder()
     done = asyncio.Event()
 
     def sink(source: str, data) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuservd.runner.linear import Linear
-from gpuservd.runner.weights import LayerWeights, ModelWeights
+from gpuservd.runner.model_weights import LayerWeights, ModelWeights
 
 
 @dataclass
