@@ -306,7 +306,7 @@ class Daemon:
         if "versions" in changed:  # the file's version tables replace the run-time ones
             from gpuservd.routing import VersionRouter
 
-            self.serving.router = VersionRouter(old.versions)
+            self.serving.models.router = VersionRouter(old.versions)
         for slot in self.serving.slots.values():
             if slot.loop is not None:
                 slot.loop.admission_window_s = old.admission_window_ms / 1000

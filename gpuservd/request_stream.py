@@ -3,7 +3,9 @@
 `ActiveRequest.batches()` yields the engine's outputs for the request (several
 at once when the HTTP writer lagged: a stream coalesces them into one chunk);
 `close()` runs on every path (finished, client gone, error): it aborts an
-unfinished request in the engine, releases its admission counters and logs it.
+unfinished request in the engine and hands the request to its `on_release`
+callback (admission counters, the access log). Errors are domain errors
+(gpuservd/errors.py); the API layer turns them into HTTP responses.
 """
 
 from __future__ import annotations
@@ -14,15 +16,12 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from gpuservd.api import protocol
 from gpuservd.api.protocol import GenerationRequest
 from gpuservd.engine_loop import Accepted, EngineGone, EngineLoop, Failed
+from gpuservd.errors import EngineFailed, ModelUnavailable
 from gpuservd.tenants import Tenant
-
-if TYPE_CHECKING:
-    from gpuservd.serving import Serving
 
 
 @dataclass
@@ -69,9 +68,9 @@ class ModelSlot:
         return 5 if not recent else max(1, min(30, math.ceil(10.0 / len(recent))))
 
 
-def engine_gone(item: EngineGone):
-    """The 503 a request gets when its model's engine worker process exits under it."""
-    return protocol.unavailable(item.message, "model_worker_exited", 1)
+def engine_gone(item: EngineGone) -> ModelUnavailable:
+    """What a request gets when its model's engine worker process exits under it (a 503 to retry)."""
+    return ModelUnavailable(item.message, code="model_worker_exited", retry_after_s=1)
 
 
 class RequestSink:
@@ -87,8 +86,8 @@ class RequestSink:
 class ActiveRequest:
     """An admitted request: iterate `batches()` for its outputs; `close()` always runs (finally)."""
 
-    def __init__(self, serving: "Serving", slot: ModelSlot, ctx: RequestContext, greq: GenerationRequest):
-        self.serving = serving
+    def __init__(self, slot: ModelSlot, ctx: RequestContext, greq: GenerationRequest,
+                 on_dequeue: Callable[["ActiveRequest"], None], on_release: Callable[["ActiveRequest"], None]):
         self.slot = slot
         self.ctx = ctx
         self.greq = greq
@@ -100,7 +99,9 @@ class ActiveRequest:
         self.queued = True
         self.done = False
         self.closed = False
-        self.status = 200
+        self.status = 200  # the outcome in HTTP's numbering, for the access log and request_finished
+        self._on_dequeue = on_dequeue  # once: its first token came (or it ended first); it no longer counts as queued
+        self._on_release = on_release  # once, from close(): it no longer counts as in flight
 
     async def batches(self):
         """Lists of RequestOutputs as they arrive (several when the reader lagged); ends after the last."""
@@ -113,7 +114,7 @@ class ActiveRequest:
                 if isinstance(item, Failed):
                     self.done = True
                     self.status = 500
-                    raise protocol.internal_error(self.ctx.request_id)
+                    raise EngineFailed(self.ctx.request_id)
                 if isinstance(item, EngineGone):
                     self.done = True
                     self.status = 503
@@ -139,7 +140,7 @@ class ActiveRequest:
         if self.queued:
             self.queued = False
             self.slot.num_queued -= 1
-            self.serving.tenant_queued[self.ctx.tenant.name] -= 1
+            self._on_dequeue(self)
 
     def close(self, disconnected: bool = False) -> None:
         """Release admission counters, abort if unfinished (client gone), log the request."""
@@ -152,4 +153,4 @@ class ActiveRequest:
             if disconnected:
                 self.status = 499  # nginx's "client closed request", in the log only
         self._dequeue()
-        self.serving._release(self)
+        self._on_release(self)

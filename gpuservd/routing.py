@@ -111,3 +111,20 @@ def choose_device(options: list[DeviceOption], resident: str | None = None) -> D
                 return o
     feasible = [o for o in options if o.feasible]
     return min(feasible, key=DeviceOption.cost) if feasible else None
+
+
+def pick_plan(plans: dict, resident: str | None, load: dict[str, int]):
+    """The plan of the device a model loads on, from the weight cache's per-device plans (device ->
+    a DevicePlan, or the CacheFull error saying why that device cannot make room now): the device that
+    holds its weights (or its base's), else `choose_device`. Raises the CacheFull when no device can."""
+    infeasible = {d: p for d, p in plans.items() if isinstance(p, Exception)}
+    options = [DeviceOption(d, i, d not in infeasible, [] if d in infeasible else p.evict,
+                            0 if d in infeasible else p.evict_bytes, load.get(d, 0), str(infeasible.get(d, "")))
+               for i, (d, p) in enumerate(plans.items())]
+    choice = choose_device(options, resident)
+    if choice is None or not choice.feasible:
+        full = list(infeasible.values())
+        if resident is not None or len(full) == 1:
+            raise plans[resident] if resident is not None else full[0]
+        raise type(full[0])("; ".join(str(p) for p in full))
+    return plans[choice.device]

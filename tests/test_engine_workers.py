@@ -114,7 +114,7 @@ def test_cpu_workers_without_num_threads_are_warned_about(daemon, caplog):
     such worker on the same CPU is a warning with the fix. (This daemon sets num_threads: 1, so no warning.)"""
     from types import SimpleNamespace as NS
 
-    from gpuservd.serving import Serving
+    from gpuservd.worker.lifecycle import warn_cpu_oversubscription
 
     assert "oversubscribe" not in daemon.log
 
@@ -123,7 +123,7 @@ def test_cpu_workers_without_num_threads_are_warned_about(daemon, caplog):
 
     def warned(new, *others):
         caplog.clear()
-        Serving._warn_cpu_oversubscription(NS(slots={s.name: s for s in (new, *others)}), new)
+        warn_cpu_oversubscription([new, *others], new)
         return [r.getMessage() for r in caplog.records if "oversubscribe" in r.getMessage()]
 
     msgs = warned(slot("b"), slot("a", pid=11))

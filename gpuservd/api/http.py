@@ -19,7 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from gpuservd.api import protocol
+from gpuservd.api.errors import to_api_error
 from gpuservd.api.protocol import APIError
+from gpuservd.errors import ServingError
+from gpuservd.request_stream import RequestContext
 from gpuservd.tenants import TenantError
 
 log = logging.getLogger("gpuservd.api")
@@ -68,6 +71,8 @@ def endpoint(prefix: str = "req", public: bool = False):
                 response = await fn(request)
             except APIError as exc:
                 return error_response(exc, request_id, metrics)
+            except ServingError as exc:
+                return error_response(to_api_error(exc), request_id, metrics)
             except Exception:
                 log.exception("internal error serving %s %s (request %s)", request.method, request.url.path,
                               request_id)
@@ -82,8 +87,6 @@ def endpoint(prefix: str = "req", public: bool = False):
 
 def request_context(request: Request, serving):
     """Who sent this request: request id, tenant (from the peer uid and the tenant header), peer."""
-    from gpuservd.request_stream import RequestContext
-
     via, uid, pid = peer(request)
     asked = request.headers.get(protocol.TENANT_HEADER)
     trusted = via == "tcp" and request.app.state.tcp_token is not None

@@ -17,8 +17,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gpuservd.api import protocol, responses
+from gpuservd.api.errors import to_api_error
 from gpuservd.api.http import StreamResponse, endpoint, request_context
-from gpuservd.api.protocol import APIError
+from gpuservd.errors import ServingError
 from gpuservd.request_stream import ActiveRequest
 from gpuservd.serving import Serving
 
@@ -46,8 +47,8 @@ async def _events(active: ActiveRequest, created: int):
         if usage:
             yield responses.sse(responses.usage_chunk(kind, rid, model, created, active.num_prompt_tokens,
                                                     active.num_output_tokens))
-    except APIError as exc:  # the engine failed mid-stream: the status line is long gone
-        yield responses.sse(exc.body())
+    except ServingError as exc:  # the engine failed mid-stream: the status line is long gone
+        yield responses.sse(to_api_error(exc).body())
     yield responses.SSE_DONE
 
 

@@ -11,6 +11,7 @@ request before they were evicted / prefetches issued.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -71,3 +72,40 @@ class Predictor:
             total = sum(row.values()) or 1.0
             rates = sum(self.rate.values()) or 1.0
             return row.get(model, 0.0) / total + 0.1 * self.rate.get(model, 0.0) / rates
+
+
+class HitRateWatch:
+    """The device hit rate over the last `window` model lookups, and when it calls for a sizing alert (M9).
+
+    `observe` returns the alert (a `cache_hit_rate_low` event's fields) once when the rate falls under
+    `alert_below`, and again only after it recovered first; None otherwise."""
+
+    def __init__(self, window: int = 50):
+        self.lookups: deque[tuple[str, bool]] = deque(maxlen=window)  # (model, found on the device)
+        self.alert_on = False
+
+    def observe(self, name: str, hit: bool, alert_below: float, cache_size: int) -> dict | None:
+        self.lookups.append((name, hit))
+        if len(self.lookups) < (self.lookups.maxlen or 0):
+            return None
+        rate = sum(h for _, h in self.lookups) / len(self.lookups)
+        if rate >= alert_below:
+            self.alert_on = False
+            return None
+        if self.alert_on:
+            return None
+        self.alert_on = True
+        counts: dict[str, int] = {}
+        for m, _ in self.lookups:
+            counts[m] = counts.get(m, 0) + 1
+        need, covered = 0, 0
+        for c in sorted(counts.values(), reverse=True):  # models that carry 90% of the requests
+            need, covered = need + 1, covered + c
+            if covered >= 0.9 * len(self.lookups):
+                break
+        suggestion = (f"the device hit rate is {100 * rate:.0f}% over the last {len(self.lookups)} requests "
+                      f"(alert below {100 * alert_below:.0f}%); {need} models carry 90% of them and "
+                      f"cache.cache_size is {cache_size}: raise cache_size to {max(need, cache_size + 1)} "
+                      "(with the device bytes to match), pin the busiest models, or turn prefetch on")
+        return {"hit_rate": rate, "window": len(self.lookups), "models_for_90pct": need, "cache_size": cache_size,
+                "suggested_cache_size": max(need, cache_size + 1), "message": suggestion}
