@@ -45,7 +45,7 @@ from gpuservd.weights.cache import WeightCache
 from gpuservd.weights.prefetch import HitRateWatch, PrefetchStats, Predictor
 from gpuservd.weights.sources import WeightSources
 from gpuservd.worker.build import make_engine
-from gpuservd.worker.lifecycle import worker_exited, worker_loop, worker_ready
+from gpuservd.model_workers import worker_exited, worker_loop, worker_ready
 
 log = logging.getLogger("gpuservd.models")
 LOAD_RETRY_S = 10.0  # a model whose load failed is tried again on demand after this long
@@ -68,7 +68,7 @@ class Models:
         self.slots: dict[str, ModelSlot] = {}
         self.devices = config.engine.device_names()  # M8: [engine.device] unless engine.devices lists several
         self.cache = WeightCache(config.cache, config.engine.device_memory_bytes, self.devices)
-        self.sources = WeightSources(self.cache, config)
+        self.sources = WeightSources(self.cache, lambda: config.engine, config.cache.compression)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
         self.router = VersionRouter(config.server.versions)

@@ -10,7 +10,7 @@ models are never candidates: a device that could only make room by evicting
 them cannot take the model now), then the device's current load (requests in
 flight and queued on its models, plus loads under way), then its index in
 engine.devices. A pure function over `DeviceOption`s, so each rule is unit
-tested (tests/test_routing.py); Serving builds the options from the weight
+tested (tests/test_routing.py); `pick_plan` builds the options from the weight
 cache's per-device plans.
 
 Versions. A model name can stand for several versions.

@@ -8,7 +8,7 @@ unmerged (runner/variant_weights.py), because merging would need a private copy 
 targeted base matrix (the shared one must not change: other models read it). So loading a variant whose base is resident reads only the
 adapter file: `VariantSource` never opens the base's safetensors. When only the
 variant is asked for, the daemon loads the base's weights first as a hidden
-dependency (device entry without an engine of its own), see serving.load.
+dependency (device entry without an engine of its own), see weights/sources.py.
 """
 
 from __future__ import annotations

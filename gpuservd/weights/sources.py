@@ -6,15 +6,17 @@ under `cache.compression: int8`, written on first use). A variant (a delta over
 a base model, M6) runs on its base's weights in memory plus its own delta; the
 base is loaded first, without an engine of its own, when it is not there.
 Everything built is registered with the weight cache, which shares it with the
-variants that come later.
+variants that come later. An engine worker process, which cannot see the
+daemon's memory, reads the store alone (`store_source`).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, Callable
 
-from gpuservd.daemon_config import DaemonConfig
+from gpuservd.config import EngineConfig
 from gpuservd.errors import ModelNotFound
 from gpuservd.runner.model_runner import DTYPES
 from gpuservd.runner.load import SafetensorsReader, expected_bytes, load_weights
@@ -23,19 +25,31 @@ from gpuservd.store.store import ModelStore
 from gpuservd.store.variant import validate_delta
 from gpuservd.weights.cache import WeightCache
 from gpuservd.weights.delta import SharedSource, VariantSource
-from gpuservd.worker.build import store_source
+from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
 
 log = logging.getLogger("gpuservd.weights")
+
+
+def store_source(model_dir: Path, compression: str) -> tuple[Any, str, int]:
+    """(tensor source, tier name, bytes it reads) from the store: the INT8 file under compression int8
+    (written on first use), else the safetensors files."""
+    model_dir = Path(model_dir)
+    reader = SafetensorsReader(model_dir)
+    if compression == "int8":
+        path = int8_path(model_dir)
+        if not path.exists():
+            write_int8(reader, model_dir)
+        return Int8Reader(path), "disk-int8", path.stat().st_size
+    return reader, "disk", sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
 
 
 class WeightSources:
     """Chooses the tensor source (and names its tier) for each load, over one weight cache."""
 
-    def __init__(self, cache: WeightCache, config: DaemonConfig):
+    def __init__(self, cache: WeightCache, engine: Callable[[], EngineConfig], compression: str):
         self.cache = cache
-        # the daemon's settings, read at each load (a reload replaces config.engine): engine.dtype sizes
-        # the weights, cache.compression "int8" reads the store's INT8 file
-        self.config = config
+        self.engine = engine  # the daemon's engine settings now (a reload replaces them): dtype sizes the weights
+        self.compression = compression  # cache.compression: "int8" reads the store's INT8 file
 
     def base_of(self, name: str) -> str | None:
         """A variant's base model (M6); None for a full model."""
@@ -61,7 +75,7 @@ class WeightSources:
     def weight_bytes(self, name: str) -> int:
         """Weight bytes a model will add to the device (from its files' headers; nothing is read):
         a variant's delta, plus its base's weights when they are not there yet (M6)."""
-        store, dtype = ModelStore(), DTYPES[self.config.engine.dtype]
+        store, dtype = ModelStore(), DTYPES[self.engine().dtype]
         base = self.base_of(name)
         if base is not None:
             spec = validate_delta(store.path(name), read_config(store.path(base)), base)
@@ -112,7 +126,7 @@ class WeightSources:
         if host is not None:
             self.cache.bytes_loaded["host"] += host.nbytes
             return host, "host"
-        source, tier, nbytes = store_source(model_dir, self.config.cache.compression)
+        source, tier, nbytes = store_source(model_dir, self.compression)
         self.cache.bytes_loaded["disk"] += nbytes
         return source, tier
 

@@ -108,7 +108,8 @@ def build(spec, channel: Channel, facts: list):
     """The engine, from the store (the same construction as an engine thread's); its EngineFacts go
     into `facts`."""
     from gpuservd.engine_calls import EngineFacts
-    from gpuservd.worker.build import make_engine, store_source
+    from gpuservd.weights.sources import store_source
+    from gpuservd.worker.build import make_engine
 
     source, tier, nbytes = store_source(spec.model_dir, spec.compression)
 

@@ -1,7 +1,7 @@
-"""Building one model's engine: the store's weight tiers and the engine itself.
+"""Building one model's engine over a weight source chosen by weights/sources.py.
 
 Shared by both ways the daemon hosts an engine: an engine thread of its own
-process (serving.py builds there, with the weight cache's in-memory tiers in
+process (models.py builds there, with the weight cache's in-memory tiers in
 front) and an engine worker process (worker/__main__.py builds from a
 `WorkerSpec`, reading the store: its process cannot see the daemon's memory).
 """
@@ -28,23 +28,6 @@ class WorkerSpec:
     tenant_quotas: Any = None  # name -> TenantQuota
     admission_window_s: float = 0.0  # server.admission_window_ms, in seconds
     log_level: str = "info"
-
-
-def store_source(model_dir: Path, compression: str) -> tuple[Any, str, int]:
-    """(tensor source, tier name, bytes it reads) from the store: the INT8 file under compression int8
-    (written on first use), else the safetensors files."""
-    from gpuservd.runner.load import SafetensorsReader
-
-    model_dir = Path(model_dir)
-    reader = SafetensorsReader(model_dir)
-    if compression == "int8":
-        from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
-
-        path = int8_path(model_dir)
-        if not path.exists():
-            write_int8(reader, model_dir)
-        return Int8Reader(path), "disk-int8", path.stat().st_size
-    return reader, "disk", sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
 
 
 def make_engine(name: str, config_dir: Path, cfg: EngineConfig, source, initial_layers: int | None,

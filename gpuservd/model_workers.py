@@ -1,8 +1,8 @@
 """A model's engine worker process as the model manager sees it: start, ready, exit.
 
 `engine.isolation: process` (and the MPS backend, always) runs a model's engine
-in a worker process behind a WorkerLoop (proxy.py). These are the model
-manager's (gpuservd/models.py) steps around it: the loop with the environment
+in a worker process behind a WorkerLoop (worker/proxy.py). These are the model
+manager's (models.py) steps around it: the loop with the environment
 the partition backend gives the worker, what happens once its engine is built,
 and the model failing when the process exits unasked.
 """
