@@ -49,8 +49,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from gpuservd.config import EngineConfig
 from gpuservd.errors import ModelNotFound, UserError
-from gpuservd.sharing.hardware import SmGranularity, Hardware
+from gpuservd.runner.model_config import load_arch
+from gpuservd.sharing.hardware import Hardware, SmGranularity
+from gpuservd.store.store import ModelStore
 
 RECOMMENDED_STEP = 8  # G1: partitions are recommended in multiples of 8 SMs
 CUDA_OVERHEAD_BYTES = 512 * 1024**2  # per model: CUDA context share, cuBLAS workspace, allocator slack
@@ -193,92 +196,102 @@ def store_weights_bytes(store, name: str, dtype: str) -> int:
     return store.info(name).num_parameters * DTYPE_BYTES[dtype]
 
 
+class _QuotaTerms:
+    """One model's quota terms, each with where it came from (`sources`). A term that cannot be known is
+    a UserError naming the setting to give, unless the model's quota is fixed (then it stays None)."""
+
+    def __init__(self, name: str, m, engine, store, warnings: list[str]):
+        self.name, self.m, self.engine, self.store, self.warnings = name, m, engine, store, warnings
+        self.fixed = m.memory_quota_bytes is not None
+        self.dtype_bytes = DTYPE_BYTES.get(engine.dtype, 4)
+        self.sources: dict[str, str] = {}
+        self._arch = None
+
+    def arch(self):
+        """The model's architecture, read from the store once (only when an estimate needs it)."""
+        if self._arch is None:
+            self._arch = load_arch((self.store or ModelStore()).base_dir(self.name))
+        return self._arch
+
+    def missing(self, term: str, key: str) -> None:
+        if self.fixed:
+            return None
+        root = getattr(self.store, "root", None)
+        where = f" {root}" if root else ""
+        n = self.name
+        raise UserError(f"sharing.models.{n}: model {n!r} is not in the store{where}, so its {term} is "
+                        f"unknown; set sharing.models.{n}.{key} (or memory_quota_bytes), or pull/import the model")
+
+    def weights(self) -> int | None:
+        if self.m.weights_bytes is not None:
+            self.sources["weights"] = "config"
+            return self.m.weights_bytes
+        try:
+            weights = store_weights_bytes(self.store or ModelStore(), self.name, self.engine.dtype)
+        except ModelNotFound:
+            return self.missing("weights size", "weights_bytes")
+        self.sources["weights"] = f"store ({self.engine.dtype})"
+        return weights
+
+    def kv_peak(self, weights: int | None) -> int | None:
+        engine = self.engine
+        if self.m.kv_peak_bytes is not None:
+            self.sources["kv_peak"] = "config"
+            return self.m.kv_peak_bytes
+        if engine.kv_cache_bytes is not None:
+            self.sources["kv_peak"] = "engine.kv_cache_bytes"
+            return engine.kv_cache_bytes
+        if weights is None:
+            return None
+        if engine.device_memory_bytes > weights:
+            self.sources["kv_peak"] = "engine pool"
+            return int((engine.device_memory_bytes - weights) * engine.kv_cache_fraction)
+        try:
+            a = self.arch()
+        except ModelNotFound:
+            return self.missing("KV peak", "kv_peak_bytes")
+        self.sources["kv_peak"] = "estimate"
+        self.warnings.append(
+            f"{self.name}: engine.device_memory_bytes ({engine.device_memory_bytes / GB:.1f} GB) does not hold "
+            f"its weights ({weights / GB:.1f} GB); KV peak estimated as max_num_seqs full contexts")
+        return engine.scheduler.max_num_seqs * max_model_len(a, engine) * kv_bytes_per_token(a, self.dtype_bytes)
+
+    def activations(self) -> int | None:
+        if self.m.activation_bytes is not None:
+            self.sources["activations"] = "config"
+            return self.m.activation_bytes
+        try:
+            a = self.arch()
+        except ModelNotFound:
+            return self.missing("activation peak", "activation_bytes")
+        s = self.engine.scheduler
+        self.sources["activations"] = "estimate"
+        return estimate_activation_bytes(a, self.dtype_bytes, s.max_num_batched_tokens, s.max_prefill_tokens,
+                                         s.max_num_seqs, max_model_len(a, self.engine))
+
+    def overhead(self, backend: str) -> int:
+        if self.m.overhead_bytes is not None:
+            self.sources["overhead"] = "config"
+            return self.m.overhead_bytes
+        self.sources["overhead"] = "default"
+        return CUDA_OVERHEAD_BYTES if backend == "cuda" else 0
+
+
 def memory_quota(name: str, sharing, *, backend: str = "cuda", engine=None, store=None,
                  warnings: list[str] | None = None) -> MemoryQuota:
     """The quota of one model (rules in the module docstring). A term that cannot be known (a model not
     in the store without weights_bytes) is a UserError saying what to set, unless the quota is fixed."""
-    from gpuservd.config import EngineConfig
-
     engine = engine or EngineConfig()
     m = sharing.model(name)
-    fixed = m.memory_quota_bytes is not None
-    dtype_bytes = DTYPE_BYTES.get(engine.dtype, 4)
-    sources: dict[str, str] = {}
     warnings = warnings if warnings is not None else []
-    arch_cache: list = []
-
-    def arch():
-        if not arch_cache:
-            from gpuservd.runner.model_config import load_arch
-            from gpuservd.store.store import ModelStore
-
-            st = store or ModelStore()
-            arch_cache.append(load_arch(st.base_dir(name)))
-        return arch_cache[0]
-
-    def missing(term: str, key: str):
-        root = getattr(store, "root", None)
-        where = f" {root}" if root else ""
-        raise UserError(f"sharing.models.{name}: model {name!r} is not in the store{where}, so its {term} is "
-                        f"unknown; set sharing.models.{name}.{key} (or memory_quota_bytes), or pull/import the model")
-
-    weights = m.weights_bytes
-    if weights is not None:
-        sources["weights"] = "config"
-    else:
-        try:
-            from gpuservd.store.store import ModelStore
-
-            weights = store_weights_bytes(store or ModelStore(), name, engine.dtype)
-            sources["weights"] = f"store ({engine.dtype})"
-        except ModelNotFound:
-            if not fixed:
-                missing("weights size", "weights_bytes")
-
-    kv = m.kv_peak_bytes
-    if kv is not None:
-        sources["kv_peak"] = "config"
-    elif engine.kv_cache_bytes is not None:
-        kv, sources["kv_peak"] = engine.kv_cache_bytes, "engine.kv_cache_bytes"
-    elif weights is not None and engine.device_memory_bytes > weights:
-        kv = int((engine.device_memory_bytes - weights) * engine.kv_cache_fraction)
-        sources["kv_peak"] = "engine pool"
-    elif weights is not None:
-        try:
-            a = arch()
-            kv = engine.scheduler.max_num_seqs * max_model_len(a, engine) * kv_bytes_per_token(a, dtype_bytes)
-            sources["kv_peak"] = "estimate"
-            warnings.append(f"{name}: engine.device_memory_bytes ({engine.device_memory_bytes / GB:.1f} GB) does "
-                            f"not hold its weights ({weights / GB:.1f} GB); KV peak estimated as max_num_seqs "
-                            "full contexts")
-        except ModelNotFound:
-            if not fixed:
-                missing("KV peak", "kv_peak_bytes")
-
-    act = m.activation_bytes
-    if act is not None:
-        sources["activations"] = "config"
-    else:
-        try:
-            a = arch()
-            s = engine.scheduler
-            act = estimate_activation_bytes(a, dtype_bytes, s.max_num_batched_tokens, s.max_prefill_tokens,
-                                            s.max_num_seqs, max_model_len(a, engine))
-            sources["activations"] = "estimate"
-        except ModelNotFound:
-            if not fixed:
-                missing("activation peak", "activation_bytes")
-
-    overhead = m.overhead_bytes
-    if overhead is not None:
-        sources["overhead"] = "config"
-    else:
-        overhead = CUDA_OVERHEAD_BYTES if backend == "cuda" else 0
-        sources["overhead"] = "default"
-
+    terms = _QuotaTerms(name, m, engine, store, warnings)
+    weights = terms.weights()
+    kv = terms.kv_peak(weights)
+    act = terms.activations()
+    overhead = terms.overhead(backend)
     headroom = sharing.headroom
-    q = MemoryQuota(name, weights, kv, act, overhead, headroom, quota=0, fixed=fixed, sources=sources)
-    if fixed:
+    q = MemoryQuota(name, weights, kv, act, overhead, headroom, quota=0, fixed=terms.fixed, sources=terms.sources)
+    if terms.fixed:
         q.quota = m.memory_quota_bytes
         if q.need is not None and q.quota < q.need:
             warnings.append(f"{name}: memory_quota_bytes ({q.quota / GB:.1f} GB) is below its need "
