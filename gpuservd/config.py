@@ -113,6 +113,33 @@ class PreemptionConfig:
     auto_min_samples: int = 20  # auto mode: no decision before this many finished requests
 
 
+# Decode batches are padded up to one of these sizes (runner/decode_step.py): one CUDA graph per size.
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def check_batch_sizes(sizes, setting: str = "engine.cuda_graphs.batch_sizes") -> tuple[int, ...]:
+    """Bucket sizes as a tuple; a one-line UserError naming the setting unless they are increasing positive ints."""
+    if isinstance(sizes, (str, bytes, dict)) or not hasattr(sizes, "__len__") or not sizes:
+        raise UserError(f"{setting} must be a non-empty list of increasing positive integers, got {sizes!r}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise UserError(f"{setting} must hold positive integers, got {list(sizes)!r}")
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise UserError(f"{setting} must be strictly increasing, got {list(sizes)!r}")
+    return tuple(sizes)
+
+
+@dataclass
+class CudaGraphsConfig:
+    """Decode-only steps as CUDA graphs over a fixed-shape batch padded to a bucket size (runner/cuda_graphs.py).
+
+    enabled: None (the default) = on for a CUDA device; true = asked for explicitly (on the CPU that is
+    a logged fallback to eager that /admin/status and `gpuserv doctor` report); false = off.
+    GPUSERV_CUDA_GRAPHS=0 in the environment turns them off whatever this says."""
+
+    enabled: bool | None = None
+    batch_sizes: list = field(default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BATCH_SIZES))
+
+
 @dataclass
 class EngineConfig:
     """One model's engine on one device."""
@@ -133,6 +160,7 @@ class EngineConfig:
     # worker process per model: fault isolation, and what MPS confines); sharing.backend mps implies process
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
 
     def device_names(self) -> list[str]:
         """The daemon's devices: engine.devices, else [engine.device] (one device, as before M8)."""
@@ -150,6 +178,9 @@ class EngineConfig:
             raise UserError(f"engine.block_size must be a power of two, got {self.block_size}")
         if not (0.0 < self.kv_cache_fraction <= 1.0):
             raise UserError(f"engine.kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if not (self.cuda_graphs.enabled is None or isinstance(self.cuda_graphs.enabled, bool)):
+            raise UserError(f"engine.cuda_graphs.enabled must be true or false, got {self.cuda_graphs.enabled!r}")
+        check_batch_sizes(self.cuda_graphs.batch_sizes)
         s = self.scheduler
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens", "max_num_prefill_seqs"):
             if getattr(s, name) < 1:

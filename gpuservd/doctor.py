@@ -202,6 +202,22 @@ def check_systemd(run=subprocess.run, user: bool = False) -> Check:
                  f"gpuservd.service {state}", props)
 
 
+def check_decode_path(model: dict) -> Check:
+    """How a model's decode steps run: CUDA graphs, or eager and why (warn when graphs were asked for or
+    expected on a CUDA device and are not used)."""
+    d = model["decode"]
+    name = model["name"]
+    if d.get("path") == "cuda_graphs":
+        took = d.get("capture_s")
+        return Check(f"decode:{name}", "ok", f"{name}: decode steps replay CUDA graphs for batch sizes "
+                     f"{','.join(map(str, d.get('captured', [])))} (captured in {took} s, {d.get('kernels')} kernels)", d)
+    cuda = str(model.get("device", "")).startswith("cuda")
+    reason = d.get("reason") or "eager"
+    degraded = "asked for" in reason or (cuda and "enabled is false" not in reason and "=0" not in reason)
+    return Check(f"decode:{name}", "warn" if degraded else "info",
+                 f"{name}: decode steps run eagerly ({reason}; kernels: {d.get('kernels')})", d)
+
+
 def check_daemon(client) -> tuple[list[Check], list[dict]]:
     """The daemon's health and models, and its active hints (each one a check of its own)."""
     from gpuservd.api.client import DaemonError, DaemonUnavailable
@@ -219,6 +235,7 @@ def check_daemon(client) -> tuple[list[Check], list[dict]]:
         (", ".join(f"{m['name']} {m['state']}" for m in models) or "no models")
     checks = [Check("daemon", "warn" if failed else "ok", text + (f"; failed: {', '.join(failed)}" if failed else ""),
                     {"health": health, "state": status.get("state"), "failed_models": failed})]
+    checks += [check_decode_path(m) for m in models if m.get("decode")]
     hints = status.get("hints")
     if hints is None:
         checks.append(Check("hints", "info", "this daemon reports no hints", {}))

@@ -98,6 +98,7 @@ class LoopSnapshot:
     heartbeat: float = field(default_factory=time.monotonic)  # monotonic time of the last iteration
     num_engine_errors: int = 0  # steps that raised
     preemption: dict | None = None  # the scheduler's preemption state (engine.preemption_status())
+    decode: dict | None = None  # how decode steps run: CUDA graphs or eager, and why (engine.decode_status())
 
 
 class EngineHooks(Protocol):
@@ -293,7 +294,7 @@ class EngineLoop:
         self.snapshot = LoopSnapshot(
             self.model, len(e.scheduler.running), len(e.scheduler.waiting), len(e.requests), e.pool.num_used,
             e.pool.num_blocks, e.telemetry.num_steps, time.monotonic(), s.num_engine_errors,
-            e.preemption_status())
+            e.preemption_status(), e.decode_status())
 
     def _apply(self, cmd: tuple, deliveries: list) -> None:
         kind = cmd[0]

@@ -86,5 +86,7 @@ def test_requests_listing_and_status_in_process(home):
             {"role": "user", "content": "hi"}], "max_tokens": 4, "return_token_ids": True, "temperature": 0})
         choice = r.json()["choices"][0]
         assert len(choice["token_ids"]) == r.json()["usage"]["completion_tokens"] <= 4
+        decode = (await client.get("/admin/status")).json()["models"][0]["decode"]  # how decode steps run
+        assert decode["path"] == "eager" and decode["reason"] == "eager on cpu" and decode["captured"] == []
 
     run_app(check)

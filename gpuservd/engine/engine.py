@@ -26,6 +26,7 @@ from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.swap import HostKVPool, Swapper
 from gpuservd.runner.batch import SeqChunk
+from gpuservd.runner.decode_step import DecodeResult
 from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
 
@@ -57,6 +58,7 @@ class LLMEngine:
             weight_source=weight_source,
             initial_layers=initial_layers,
             on_layer=on_layer,
+            cuda_graphs_config=config.cuda_graphs,
         )
         if pending_tokenizer is not None:
             tokenizer = pending_tokenizer.result()
@@ -97,6 +99,8 @@ class LLMEngine:
     def yield_point(self, fn) -> None:
         self._yield_point = fn
         self.runner.model.mid_layer = fn
+        if fn is not None:  # CUDA graphs: per-layer segments, so the yields run between their replays
+            self.runner.prepare_yields()
 
     @classmethod
     def from_store(cls, model_name: str, config: EngineConfig | None = None, store=None) -> "LLMEngine":
@@ -211,6 +215,10 @@ class LLMEngine:
                 "num_pinned": sum(sc.is_pinned(r) for r in sc.running + sc.waiting),
                 "kv_blocks_reserved": sc.reserved_blocks(),
                 "costs": sc.cost.to_dict()}
+
+    def decode_status(self) -> dict:
+        """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why."""
+        return self.runner.decode_status()
 
     def set_tenant_quotas(self, quotas: dict[str, TenantQuota]) -> None:
         """Per-tenant limits (weight, running sequences, KV blocks); replaces the previous set."""
@@ -336,11 +344,17 @@ class LLMEngine:
             )
         )
 
-    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: torch.Tensor | DecodeResult) -> list[RequestOutput]:
+        """Sample from the forward's logits [S, V] (or a fixed-shape step's DecodeResult, whose greedy ids
+        the CUDA graph already took on the device) and hand out the tokens."""
+        greedy = None
+        if isinstance(result, DecodeResult):
+            result, greedy = result.logits, result.greedy
         sampling = [c.request for c in sched.chunks if c.sample]
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
-        sampled = sample(logits, sampling, self.eos_token_ids) if sampling else SamplerOutput([], [])
+        sampled = (sample(result, sampling, self.eos_token_ids, greedy_ids=greedy) if sampling
+                   else SamplerOutput([], []))
         now = time.monotonic()
         outputs = []
         for req, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):

@@ -243,17 +243,24 @@ def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, reqs: list[Re
 
 
 def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=frozenset(),
-           bitmask: torch.Tensor | None = None, masked: list[bool] | None = None) -> SamplerOutput:
+           bitmask: torch.Tensor | None = None, masked: list[bool] | None = None,
+           greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
     """One token per row of logits [S, V] (fp32) for the matching requests.
 
     bitmask int32 [S, ceil(V'/32)] (V' the grammar's vocabulary) limits the rows where masked[row] is
-    True to the tokens whose bit is set; other rows ignore their bitmask row.
+    True to the tokens whose bit is set; other rows ignore their bitmask row. greedy_ids [S] (int64, on
+    the logits' device): the rows' argmax where the forward already took it (inside a CUDA graph); the
+    plain greedy rows then cost one small copy of ids to the host and no pass over the logits.
     """
     masked = masked or [False] * len(requests)
     plain = [r.params.plain_greedy and not m for r, m in zip(requests, masked)]
+    best = greedy_ids
     if all(plain):
-        return SamplerOutput(_argmax(logits).tolist(), [None] * len(requests))
-    chosen = _argmax(logits) if any(plain) else torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        return SamplerOutput((best if best is not None else _argmax(logits)).tolist(), [None] * len(requests))
+    if any(plain):
+        chosen = best.clone() if best is not None else _argmax(logits)
+    else:
+        chosen = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
     idx = [i for i, p in enumerate(plain) if not p]
     rows = torch.tensor(idx, device=logits.device)
     sub = [requests[i] for i in idx]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gpuservd.config import CudaGraphsConfig
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.cache import KVCache, cache_shape
+from gpuservd.runner import cuda_graphs
 from gpuservd.runner.batch import SeqChunk, build_batch
+from gpuservd.runner.decode_step import DecodeStep
 from gpuservd.runner.llama import LlamaModel
 from gpuservd.runner.model_config import ModelArch, load_arch
 from gpuservd.runner.load import load_weights
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +52,7 @@ class ModelRunner:
         weight_source=None,
         initial_layers: int | None = None,
         on_layer=None,
+        cuda_graphs_config: CudaGraphsConfig | None = None,
     ):
         """weight_source: a tensor source (the host tier's HostCopy, an INT8 file) instead of the
         store's safetensors, or an object whose build_weights(arch, dtype, device, initial_layers,
@@ -86,10 +93,76 @@ class ModelRunner:
             load_s=time.perf_counter() - t0,
             max_model_len=self.max_model_len,
         )
+        self.decode_step: DecodeStep | None = None
+        self._graphs_config = cuda_graphs_config or CudaGraphsConfig()
+        self._decode_reason = self._setup_decode_path()
+
+    def _setup_decode_path(self) -> str:
+        """Decide how decode-only steps run (the fixed-shape step, with or without graphs); returns why."""
+        cfg = self._graphs_config
+        kernels = self.model.kernels
+        if self.device.type != "cuda":
+            if cfg.enabled:
+                log.warning("engine.cuda_graphs.enabled is true but engine.device is %s: CUDA graphs need a CUDA "
+                            "device; decode steps run eagerly", self.device)
+                return f"CUDA graphs asked for, but the device is {self.device}: eager"
+            return f"eager on {self.device}"
+        if cfg.enabled is False or cuda_graphs.disabled_by_env():
+            why = "engine.cuda_graphs.enabled is false" if cfg.enabled is False else f"{cuda_graphs.ENV_SWITCH}=0"
+            return f"eager ({why})"
+        if kernels != "triton":
+            log.warning("CUDA graphs not used: the Triton kernels are not (see the warning above); decode runs eagerly")
+            return "eager: the Triton kernels are not available, and graphs need them"
+        self.enable_decode_step(cfg.batch_sizes)
+        self.decode_step.graphs = cuda_graphs.DecodeGraphs(self.decode_step)
+        gate = self.weights.gate
+        if gate is None or gate.num_ready == self.arch.num_layers:
+            self.capture_graphs()
+        return "CUDA graphs"
+
+    def enable_decode_step(self, batch_sizes) -> DecodeStep:
+        """Run decode-only steps through the fixed-shape step (eagerly until graphs are captured)."""
+        if self.model.kernels is None:
+            raise UserError("the fixed-shape decode step needs the fused kernels (C++ on the CPU, Triton on CUDA)")
+        self.decode_step = DecodeStep(self.model, self.cache, self.block_size, self.max_model_len, batch_sizes)
+        return self.decode_step
+
+    def capture_graphs(self, segmented: bool = False) -> None:
+        """Capture every bucket's graph (all layers must be loaded); one log line with the time it took."""
+        g = self.decode_step.graphs
+        sizes = self.decode_step.batch_sizes
+        took = g.capture(sizes, segmented=segmented)
+        log.info("captured %s CUDA graphs of the decode step for batch sizes %s in %.2f s",
+                 "per-layer" if segmented else "whole-forward", ",".join(map(str, sizes)), took)
+
+    def prepare_yields(self) -> None:
+        """The sharing arbiter will yield between layers: capture per-layer segment graphs (once)."""
+        step = self.decode_step
+        if step is not None and step.graphs is not None and not step.graphs.segmented and step.graphs.captured:
+            self.capture_graphs(segmented=True)
+
+    def decode_status(self) -> dict:
+        """How decode steps run, for /admin/status and `gpuserv doctor`."""
+        step = self.decode_step
+        graphs = step.graphs if step is not None else None
+        captured = graphs.captured if graphs is not None else []
+        path = "cuda_graphs" if captured else ("fixed_shape_eager" if step is not None else "eager")
+        return {"path": path, "reason": self._decode_reason, "kernels": self.model.kernels or "torch",
+                "batch_sizes": list(step.batch_sizes) if step is not None else [],
+                "captured": captured, "segmented": bool(graphs is not None and graphs.segmented),
+                "capture_s": round(graphs.capture_s, 3) if graphs is not None else None,
+                "last_step": step.last_path if step is not None else "eager"}
 
     def execute(self, chunks: list[SeqChunk], suspend=None):
         """One forward over the chunks; logits [S, V] (fp32) for the chunks with sample=True, in order,
-        or a LayerCheckpoint if suspend(layer) asked to stop between layers (see resume())."""
+        or a LayerCheckpoint if suspend(layer) asked to stop between layers (see resume()). Decode-only
+        steps go through the fixed-shape step where it is on, which returns a DecodeResult."""
+        step = self.decode_step
+        if step is not None and step.takes(chunks):
+            graphs = step.graphs
+            if graphs is not None and not graphs.captured and self.weights.gate.num_ready == self.arch.num_layers:
+                self.capture_graphs()  # a layered load has completed
+            return step.run(chunks, between=suspend)
         batch = build_batch(chunks, self.block_size, self.device)
         return self.model.forward(batch, self.cache.layer, suspend=suspend)
 

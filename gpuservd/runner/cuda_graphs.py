@@ -1,0 +1,180 @@
+"""CUDA graphs of the fixed-shape decode step (decode_step.py): one per bucket, captured at engine start.
+
+On the GPU a small model's decode step is launch-bound: ~35 kernels a layer,
+each a few microseconds of Python and launch overhead, against well under a
+microsecond of memory traffic. A graph replays the whole forward (embedding,
+every layer, final norm, LM head and the greedy argmax) as one launch.
+
+Capture: after the weights are complete, for every bucket from the largest
+down (smaller graphs reuse the larger ones' memory), all sharing one memory
+pool: one eager warm-up run per bucket on a side stream (Triton compiles,
+cuBLAS picks its kernels, the allocator settles), then the capture. The
+inputs during warm-up and capture are padding rows only (slot -1, length 0),
+so no KV block is written. One log line reports the buckets and the seconds
+it took. Capture uses thread-local error mode, so another engine's thread
+doing CUDA work meanwhile (GPU sharing) does not break it.
+
+Replay: `DecodeStep.run` fills the persistent inputs (one pinned staging
+buffer, one non-blocking copy on the current stream) and replays the bucket's
+graph on the same stream; the caller reads the logits or the greedy ids
+afterwards, which synchronizes. The staging buffer is rewritten only on the
+next step, after that read, so the copy never races its refill.
+
+Mixed steps (prefill chunks + decode rows) run eagerly as one batch, not as
+eager prefill + graphed decode: the decode rows then share every weight read
+with the prefill tokens (at decode batch sizes each layer is a pass over its
+weights; two passes, one per part, would read the weights twice), and a step
+that carries a prefill chunk is dominated by that chunk's matrix work, so the
+launches a graph saves are a small share of it. (vLLM's piecewise graphs and
+SGLang's decode-only graphs make the same split of roles.) The choice is
+measured on the device by scripts/bench_fast_decode.py's throughput run,
+where mixed steps occur.
+
+What cannot live inside one graph, and what happens instead:
+- The sharing arbiter's per-layer yields (time slices between models) are
+  Python calls between layers, which a graph would run once at capture and
+  never again. While the engine has a yield point, decode steps replay
+  per-layer segment graphs instead: `capture(segmented=True)` captures, per
+  bucket, one graph per layer boundary (embedding + layer 0, each further
+  layer, the last layer + LM head), chained through static hidden-state
+  buffers (the LayerCheckpoint of llama.py), and the yield runs between
+  segment replays; the half-layer yield inside a layer is not kept (a
+  neighbour waits up to one layer instead of half of one). Layer-granular
+  suspension only applies to steps that carry prefill, which run eagerly.
+- Green-context partitions: the engine is built, and its graphs captured, on
+  its own engine thread after `sharing.bind` has made the partition's stream
+  current; capture records the kernels, and each replay launches them on the
+  thread's current stream, which is the partition's, so they run on its SMs.
+  That replays stay inside the partition is checked on the device by the
+  isolation bench (scripts/gpu_check.py), not here.
+- LoRA/delta variants: a variant's engine holds its own merged weights
+  (weights/delta.py builds them), so it captures its own graphs, whose
+  kernels read those weights' addresses; a variant never replays its base's
+  graphs. Weights that change in place after capture would be read by the
+  graphs as they are at replay (the same addresses), but layered loading
+  changes which tensors exist: capture waits until every layer is in
+  (`ModelRunner.capture_graphs` is called when the load completes).
+- Preemption's swap streams: swap copies stay outside the graphs, on their
+  own streams, ordered by CUDA events: the forward's stream waits for the
+  gather of a swap-out before replaying (Swapper.execute records that wait on
+  the current stream), so a replay never reads a block being copied out, and
+  swap-ins complete before the step whose batch reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from gpuservd.runner.llama import LayerCheckpoint
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "GPUSERV_CUDA_GRAPHS"
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+class DecodeGraphs:
+    """The captured graphs of one DecodeStep (a CUDA device), per bucket."""
+
+    def __init__(self, step):
+        self.step = step
+        self.pool = None  # the memory pool every graph of this engine shares
+        self._whole: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._segments: dict[int, list[tuple[torch.cuda.CUDAGraph, object]]] = {}
+        self.capture_s = 0.0
+
+    def has(self, bucket: int, segmented: bool = False) -> bool:
+        return bucket in (self._segments if segmented else self._whole)
+
+    @property
+    def segmented(self) -> bool:
+        return bool(self._segments)
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._whole)
+
+    def _reset_inputs(self) -> None:
+        """Padding rows only: nothing written to the cache, nothing read from it."""
+        inp = self.step.inputs
+        inp.token_ids.zero_()
+        inp.positions.zero_()
+        inp.slots.fill_(-1)
+        inp.ctx_lens.zero_()
+
+    def capture(self, sizes, segmented: bool = False) -> float:
+        """Capture the buckets in `sizes` (largest first); returns the seconds it took."""
+        t0 = time.perf_counter()
+        model = self.step.model
+        mid_layer, model.mid_layer = model.mid_layer, None  # a Python yield would run at capture only
+        try:
+            self._reset_inputs()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for b in sorted(sizes, reverse=True):
+                    self.step.forward(b)  # warm-up: compiles and allocator state, off the graph
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            for b in sorted(sizes, reverse=True):
+                if segmented:
+                    self._segments[b] = self._capture_segments(b)
+                else:
+                    self._whole[b] = self._capture_whole(b)
+            torch.cuda.synchronize()
+        finally:
+            model.mid_layer = mid_layer
+        took = time.perf_counter() - t0
+        self.capture_s += took
+        return took
+
+    def _capture_whole(self, b: int):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            logits = self.step.forward(b)
+            greedy = torch.argmax(logits, dim=-1)
+        return g, logits, greedy
+
+    def _capture_segments(self, b: int):
+        """One graph per layer: [embed + layer 0], [layer 1], ..., [layer L-1 + LM head]; each segment
+        resumes from the previous one's hidden states (a static tensor of the pool)."""
+        step = self.step
+        num_layers = step.model.arch.num_layers
+        segments, ckpt = [], None
+        for layer in range(num_layers):
+            g = torch.cuda.CUDAGraph()
+            last = layer == num_layers - 1
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                out = step.model.forward(step.batch(b), step.cache.layer, resume=ckpt,
+                                         suspend=None if last else (lambda i, stop=layer: i == stop))
+                if last:
+                    out = (out, torch.argmax(out, dim=-1))
+            if not last:
+                assert isinstance(out, LayerCheckpoint)
+            segments.append((g, out))
+            ckpt = out if not last else None
+        return segments
+
+    def replay(self, bucket: int, between=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay a bucket; (logits [bucket, V], greedy ids [bucket]) in static buffers. With `between`
+        (the arbiter's yield point) the per-layer segments replay with the yield in between (the
+        caller checks has(bucket, segmented=True) first)."""
+        if between is None:
+            g, logits, greedy = self._whole[bucket]
+            g.replay()
+            return logits, greedy
+        segments = self._segments[bucket]
+        for layer, (g, _) in enumerate(segments):
+            g.replay()
+            if layer < len(segments) - 1:
+                between(layer)
+        return segments[-1][1]

@@ -1,0 +1,163 @@
+"""The fixed-shape decode step: a decode-only batch padded to a bucket size, read from persistent buffers.
+
+A decode step of n sequences runs as a batch of b rows, b the smallest
+bucket >= n (default buckets 1, 2, 4, ..., 256; `engine.cuda_graphs.
+batch_sizes`). Its inputs live in one persistent device buffer that the
+forward reads through fixed views, so the same kernels with the same
+pointers serve every step of that bucket; that is what lets a CUDA graph
+captured once per bucket replay for any batch (cuda_graphs.py). Per step the
+host writes the rows into one pinned staging buffer and makes one
+non-blocking copy of it (the build_batch path makes about ten synchronous
+`torch.tensor(..., device=cuda)` copies).
+
+Buffer layout, int64 words: token ids [M] | positions [M] | slots [M] |
+then an int32 region: context lengths [M] (padded to whole words) | block
+tables [M, max_blocks]. M = the largest bucket; max_blocks covers the
+model's context length. A step of bucket b copies the three id arrays, the
+lengths and the first b table rows only.
+
+Padding rows (n..b-1) have token 0, position 0, slot -1 (the KV store writes
+nowhere: triton_fused / the C++ rope_store_kv skip it) and context length 0
+(attention reads no block and returns zeros), so they touch no sequence's
+KV; their logits are computed and dropped.
+
+The step needs the fused kernels (C++ on the CPU, Triton on CUDA): the torch
+fallback path writes KV with index_copy_ and groups decode rows on the host,
+neither of which a fixed shape or slot -1 fits. Without them the runner keeps
+build_batch's path. On the CPU the step runs eagerly (no graphs); the tests
+check there that padded buckets give the unpadded path's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gpuservd.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, check_batch_sizes
+from gpuservd.runner.batch import ForwardBatch, SeqChunk
+
+def bucket_for(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket that holds n rows, or None when n is above the largest."""
+    for b in sizes:
+        if b >= n:
+            return b
+    return None
+
+
+class DecodeInputs:
+    """The persistent buffers of the fixed-shape step (device) and their pinned staging copy (host)."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
+        m = max_batch
+        self.max_batch, self.max_blocks = m, max_blocks
+        self._lens_words = -(-m // 2)  # m int32 lengths in whole int64 words
+        words = 3 * m + self._lens_words + -(-(m * max_blocks) // 2)
+        self.device_buf = torch.zeros(words, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self.staging = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
+        self.token_ids, self.positions, self.slots = self._id_views(self.device_buf)
+        self.ctx_lens, self.block_tables = self._int32_views(self.device_buf)
+        # Host views of the staging buffer, as numpy arrays over the same memory.
+        host = self.staging.numpy()
+        self._h_ids, self._h_pos, self._h_slots = host[:m], host[m: 2 * m], host[2 * m: 3 * m]
+        tail = host[3 * m:].view(np.int32)
+        self._h_lens = tail[:m]
+        self._h_tables = tail[2 * self._lens_words: 2 * self._lens_words + m * max_blocks].reshape(m, max_blocks)
+        self.rows = torch.arange(m, dtype=torch.long, device=device)  # logits_indices of every bucket
+
+    def _id_views(self, buf: torch.Tensor):
+        m = self.max_batch
+        return buf[:m], buf[m: 2 * m], buf[2 * m: 3 * m]
+
+    def _int32_views(self, buf: torch.Tensor):
+        m = self.max_batch
+        tail = buf[3 * m:].view(torch.int32)
+        lens = tail[:m]
+        start = 2 * self._lens_words
+        return lens, tail[start: start + m * self.max_blocks].view(m, self.max_blocks)
+
+    def fill(self, chunks: list[SeqChunk], bucket: int, block_size: int) -> None:
+        """Write n decode chunks and bucket - n padding rows, then one non-blocking copy to the device."""
+        n = len(chunks)
+        if not 0 < n <= bucket <= self.max_batch:
+            raise ValueError(f"{n} rows do not fit bucket {bucket} (largest {self.max_batch})")
+        ids, pos, slots, lens, tables = self._h_ids, self._h_pos, self._h_slots, self._h_lens, self._h_tables
+        for i, c in enumerate(chunks):
+            p = c.start_pos
+            need = p // block_size + 1
+            if len(c.token_ids) != 1 or len(c.block_ids) < need:
+                raise ValueError(f"row {i} is not a decode chunk with blocks covering position {p}")
+            if need > self.max_blocks:
+                raise ValueError(f"row {i} needs {need} blocks, the table holds {self.max_blocks}")
+            ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
+            slots[i] = c.block_ids[p // block_size] * block_size + p % block_size
+            tables[i, :need] = c.block_ids[:need]
+        ids[n:bucket], pos[n:bucket], slots[n:bucket], lens[n:bucket] = 0, 0, -1, 0
+        # The three id arrays, the lengths and the first `bucket` table rows are one prefix of the buffer.
+        words = 3 * self.max_batch + self._lens_words + -(-(bucket * self.max_blocks) // 2)
+        self.device_buf[:words].copy_(self.staging[:words], non_blocking=True)
+
+    def batch(self, bucket: int) -> ForwardBatch:
+        """The ForwardBatch of a bucket: fixed views of the device buffer (the same tensors every step)."""
+        b = bucket
+        table, lens = self.block_tables[:b], self.ctx_lens[:b]
+        return ForwardBatch(
+            input_ids=self.token_ids[:b], positions=self.positions[:b], slots=self.slots[:b],
+            num_decode=b, decode_groups=[], decode_block_table=table, decode_ctx_lens=lens, prefills=[],
+            logits_indices=self.rows[:b],
+            # On the CPU the paged kernel takes every row (attention.paged_attention's kernel rows).
+            num_kernel_rows=b, kernel_block_table=table, kernel_ctx_lens=lens,
+        )
+
+
+class DecodeStep:
+    """Runs decode-only steps as bucket-padded batches; eagerly, or through captured graphs when set."""
+
+    def __init__(self, model, cache, block_size: int, max_model_len: int, batch_sizes=DEFAULT_CUDA_GRAPH_BATCH_SIZES):
+        self.model = model
+        self.cache = cache
+        self.block_size = block_size
+        self.batch_sizes = check_batch_sizes(batch_sizes)
+        max_blocks = -(-max_model_len // block_size)
+        self.inputs = DecodeInputs(self.batch_sizes[-1], max_blocks, model.device)
+        self._batches = {b: self.inputs.batch(b) for b in self.batch_sizes}
+        self.graphs = None  # cuda_graphs.DecodeGraphs once captured (CUDA only)
+        self.last_path = ""  # "graph" or "eager": how the last step ran
+
+    def takes(self, chunks: list[SeqChunk]) -> bool:
+        """Whether this step runs the chunks: all one-token chunks that sample, within the largest bucket."""
+        return (0 < len(chunks) <= self.batch_sizes[-1]
+                and all(len(c.token_ids) == 1 and c.sample for c in chunks))
+
+    def run(self, chunks: list[SeqChunk], between=None) -> "DecodeResult":
+        """Logits [n, V] (fp32) of n decode chunks, and their greedy ids where a graph took them on the
+        device. between(layer) is called after each layer (the sharing arbiter's yield point; it must
+        return False: decode is never suspended)."""
+        n = len(chunks)
+        bucket = bucket_for(n, self.batch_sizes)
+        self.inputs.fill(chunks, bucket, self.block_size)
+        g = self.graphs
+        if g is not None and g.has(bucket, segmented=between is not None):
+            logits, greedy = g.replay(bucket, between)
+            self.last_path = "graph"
+            return DecodeResult(logits[:n], greedy[:n])
+        self.last_path = "eager"
+        return DecodeResult(self.forward(bucket, between)[:n], None)
+
+    def batch(self, bucket: int) -> ForwardBatch:
+        return self._batches[bucket]
+
+    def forward(self, bucket: int, between=None) -> torch.Tensor:
+        """The eager forward of a bucket over the buffers as they are (also what a graph captures)."""
+        return self.model.forward(self._batches[bucket], self.cache.layer, suspend=between)
+
+
+class DecodeResult:
+    """A fixed-shape step's output: logits [n, V] fp32 on the device, and greedy ids [n] (int64, on the
+    device) when the argmax ran inside the graph, else None."""
+
+    def __init__(self, logits: torch.Tensor, greedy: torch.Tensor | None):
+        self.logits = logits
+        self.greedy = greedy
