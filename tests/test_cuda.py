@@ -90,3 +90,50 @@ def test_int8_weights_are_expanded_on_the_device(tiny_model_dir, tmp_path):
         torch.testing.assert_close(getattr(g, name).weight.cpu(), getattr(c, name).dense(), rtol=0, atol=1e-6)
     fp32_bytes = sum(p.stat().st_size for p in d.glob("*.safetensors"))
     assert 0 < src.bytes_read < 0.4 * fp32_bytes
+
+
+def _graph_engine(model_dir, **graphs):
+    from gpuservd.config import CudaGraphsConfig, EngineConfig
+    from gpuservd.engine.engine import LLMEngine
+
+    cfg = EngineConfig(model="tiny", device=CUDA, block_size=4, kv_cache_bytes=4 << 20,
+                       cuda_graphs=CudaGraphsConfig(**graphs))
+    return LLMEngine("tiny", model_dir, cfg)
+
+
+def test_cuda_graph_decode_gives_the_eager_tokens(tiny_model_dir):
+    """Decode steps replayed from graphs (captured at start, one per bucket) give the eager engine's
+    greedy tokens, through padded buckets; status says graphs run, and which buckets."""
+    ps = prompts(n=5)
+    params = SamplingParams(max_tokens=12, **PARAMS)
+    eager = _graph_engine(tiny_model_dir, enabled=False)
+    assert eager.decode_status()["path"] == "eager" and "enabled is false" in eager.decode_status()["reason"]
+    want = eager.generate(ps, params)
+    eng = _graph_engine(tiny_model_dir, batch_sizes=[1, 2, 8])
+    st = eng.decode_status()
+    assert st["path"] == "cuda_graphs" and st["captured"] == [1, 2, 8] and st["kernels"] == "triton"
+    assert eng.generate(ps, params) == want
+    assert eng.runner.decode_step.last_path == "graph"
+    assert eng.pool.num_free == eng.pool.capacity
+
+
+def test_cuda_graphs_off_by_environment(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("GPUSERV_CUDA_GRAPHS", "0")
+    st = _graph_engine(tiny_model_dir).decode_status()
+    assert st["path"] == "eager" and "GPUSERV_CUDA_GRAPHS=0" in st["reason"]
+
+
+def test_arbiter_yields_run_between_per_layer_graph_segments(tiny_model_dir):
+    """With a yield point (the sharing arbiter), decode steps replay per-layer segment graphs and the
+    yield runs between them, once per layer boundary; the tokens stay the eager ones."""
+    ps = prompts(n=3)
+    params = SamplingParams(max_tokens=6, **PARAMS)
+    want = _graph_engine(tiny_model_dir, enabled=False).generate(ps, params)
+    eng = _graph_engine(tiny_model_dir, batch_sizes=[1, 4])
+    calls = []
+    eng.yield_point = calls.append
+    assert eng.decode_status()["segmented"]
+    assert eng.generate(ps, params) == want
+    assert eng.runner.decode_step.last_path == "graph"
+    layers = eng.runner.arch.num_layers
+    assert calls and set(calls) <= set(range(layers))  # layer indices; decode steps give layers - 1 per step

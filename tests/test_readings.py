@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pynvml
 import pytest
+import torch
 
 from gpuservd.gpu import nvml as nvml_mod
 from gpuservd.gpu.readings import DEVICE_FIELDS, HOST_FIELDS, NO_CUDA, DeviceReader
@@ -35,11 +36,23 @@ def check_shape(r: dict) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
-def test_cpu_machine_device_fields_are_none_with_reason(device):
-    reader = DeviceReader(device)  # cuda:0 asks torch, which has no CUDA here
-    assert not reader.available and reader.reason == NO_CUDA
+def test_device_fields_on_this_machine(device):
+    """cpu, and cuda:0 on a machine without CUDA (CI): every device field None with the reason. cuda:0 on
+    a GPU machine: the device is read (NVML where nvidia-ml-py is there), and every field is a value or
+    has a reason."""
+    reader = DeviceReader(device)  # asks the real torch
     r = reader.read()
     check_shape(r)
+    if device != "cpu" and torch.cuda.is_available():
+        assert reader.available and reader.reason is None
+        assert "psutil" in r["source"]
+        if "nvml" in r["source"]:
+            assert r["mem_total_bytes"] > 0 and r["mem_total_bytes"] >= r["mem_used_bytes"] >= 0
+        else:
+            assert r["mem_total_bytes"] is None and r["unavailable"]["mem_total_bytes"]  # NVML said why not
+        reader.close()
+        return
+    assert not reader.available and reader.reason == NO_CUDA
     for f in DEVICE_FIELDS:
         assert r[f] is None and r["unavailable"][f] == NO_CUDA
     assert r["source"] == ["psutil"]

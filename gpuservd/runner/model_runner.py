@@ -131,7 +131,14 @@ class ModelRunner:
         """Capture every bucket's graph (all layers must be loaded); one log line with the time it took."""
         g = self.decode_step.graphs
         sizes = self.decode_step.batch_sizes
-        took = g.capture(sizes, segmented=segmented)
+        try:
+            took = g.capture(sizes, segmented=segmented)
+        except Exception as e:  # noqa: BLE001 - a failed capture means: run eagerly, and say so
+            line = str(e).strip().splitlines()
+            self._decode_reason = f"eager: CUDA graph capture failed ({type(e).__name__}: {line[-1] if line else ''})"
+            log.warning("%s; decode steps run the fixed-shape step eagerly", self._decode_reason)
+            self.decode_step.graphs = None
+            return
         log.info("captured %s CUDA graphs of the decode step for batch sizes %s in %.2f s",
                  "per-layer" if segmented else "whole-forward", ",".join(map(str, sizes)), took)
 
@@ -160,7 +167,8 @@ class ModelRunner:
         step = self.decode_step
         if step is not None and step.takes(chunks):
             graphs = step.graphs
-            if graphs is not None and not graphs.captured and self.weights.gate.num_ready == self.arch.num_layers:
+            gate = self.weights.gate
+            if graphs is not None and not graphs.captured and (gate is None or gate.num_ready == self.arch.num_layers):
                 self.capture_graphs()  # a layered load has completed
             return step.run(chunks, between=suspend)
         batch = build_batch(chunks, self.block_size, self.device)
