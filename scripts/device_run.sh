@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the `device` tool): what this project checks and measures there.
 #
-#   scripts/device_run.sh PART... [-- BUDGET_S]     parts: env tests swap cold check
+#   scripts/device_run.sh PART... [-- BUDGET_S]     parts: env tests swap cold check daemon fast
 #
 #   env    nvidia-smi, python, torch / CUDA versions
 #   tests  pytest tests/test_cuda.py (the engine on CUDA: tokens against the CPU, asynchronous swap,
@@ -14,12 +14,16 @@
 #             doctor and /metrics, then Ctrl-C (DEVICE=cpu tries the part here)
 #   check  scripts/gpu_check.py (issue 8: readings, green contexts, MPS, the isolation bench), with
 #          what is left of BUDGET_S (default 520 s for the whole call)
+#   fast   issue 19 in one call of at most 7 minutes (`fast -- 420`): versions; the decode fast-path
+#          bench (python3 -m gpuservd.bench.fast_decode: step times eager / fixed-shape / graph / static
+#          ceiling / read floor for SmolLM2's and a ~1B shape, greedy graph == eager, 256 random-length
+#          requests eager and with graphs); then the full test suite (each Triton kernel against torch
+#          on the GPU is tests/test_triton_kernels.py) with the time left. bench/results/<date>-h200-fast/
 #
-# The machine has no network: the Python packages its image lacks (starlette, uvicorn, gguf, textual
-# and theirs) travel as wheels in .whl (git-ignored; carry it), fetched here with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn gguf \
-#     textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py Everything lands in bench/results/<date>-h200-*/ and,
-# as results.tgz plus run.log, under $OUT.
+# The machine has no network: the Python packages its image lacks (starlette, uvicorn, gguf, textual,
+# and for the full test suite openai, import-linter, pytest-textual-snapshot and theirs) travel as
+# wheels in .whl (git-ignored; carry it), fetched here by scripts/device_wheels.sh. Everything lands in
+# bench/results/<date>-h200-*/ and, as results.tgz plus run.log, under $OUT.
 set -u
 PARTS=()
 BUDGET=520
@@ -90,6 +94,20 @@ from gpuservd.store.store import ModelStore; e(ModelStore(), 'isolation-small', 
     check)
       B=$(( $(left) - 15 ))
       [ "$B" -gt 60 ] && timeout $(( B + 30 )) python3 scripts/gpu_check.py --budget-s "$B" || echo "check: skipped or failed ($B s)" ;;
+    fast)
+      D="$RES/$DAY-h200-fast"; mkdir -p "$D"
+      { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+        python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, \
+triton.__version__, torch.cuda.get_device_name(0))"; } 2>&1 | tee "$D/versions.txt"
+      B=$(( $(left) - 200 ))  # the suite gets at least ~190 s after the bench
+      timeout $(( B > 60 ? B : 60 )) python3 -m gpuservd.bench.fast_decode --out "$D" --budget-s $(( B > 90 ? B - 40 : 50 )) \
+        2>&1 | tee "$D/bench.log" | tail -25
+      pack
+      # Four workers (pytest-xdist is in the image; files stay whole on one worker) so the suite fits
+      # the call; where xdist is missing it runs serially.
+      XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4 --dist loadfile"
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $XD tests \
+        2>&1 | tee "$D/pytest.log" | tail -25 ;;
     *) echo "unknown part $part" ;;
   esac
   pack  # after each part: a call cut off at its limit still brings back what finished
