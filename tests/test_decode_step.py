@@ -93,7 +93,8 @@ def test_padding_rows_leave_the_cache_alone(tiny_model_dir, ops):
     before = cache.clone()
     chunks = [SeqChunk([5], 9, [3, 1, 7], True), SeqChunk([6], 2, [0], True)]
     out = runner.execute(chunks)
-    assert isinstance(out, DecodeResult) and out.logits.shape == (2, runner.arch.vocab_size) and out.greedy is None
+    assert isinstance(out, DecodeResult) and out.logits.shape == (2, runner.arch.vocab_size)
+    assert torch.equal(out.greedy, out.logits.argmax(-1))  # chosen beside the logits, as a graph does
     changed = (cache != before).flatten(0, 1).any(-1).any(-1)  # [layers * 2, blocks, block_size]
     touched = {(int(b), int(o)) for b, o in changed.any(0).nonzero().tolist()}
     assert touched == {(7, 1), (0, 2)}  # the two real rows' slots; six padding rows wrote nowhere
@@ -129,3 +130,30 @@ def test_smollm2_greedy_through_buckets_equals_the_unpadded_path(smollm2_dir, op
     eng = LLMEngine("smollm2", smollm2_dir, cfg, tokenizer=tok)
     eng.runner.enable_decode_step([2, 4])  # three rows padded to 4
     assert eng.generate(ps, params) == ref
+
+
+def test_stop_ids_are_checked_in_the_step(tiny_model_dir, ops):
+    """Each row's stop ids travel with its inputs; the step says which chosen token is one of them, and
+    the engine stops those requests exactly where the host check stops them."""
+    eng = _with_step(tiny_model_dir, [4])
+    runner = eng.runner
+    chunks = [SeqChunk([5], 9, [3, 1, 7], True), SeqChunk([6], 2, [0], True), SeqChunk([9], 0, [2], True)]
+    first = runner.execute(chunks).greedy.tolist()
+    chunks[0].stop_ids = (first[0],)  # row 0 stops on the token it chooses; row 1 on another; row 2 too many
+    chunks[1].stop_ids = (first[1] + 1,)
+    chunks[2].stop_ids = tuple(range(first[2], first[2] + 9))
+    ids, stops = runner.execute(chunks).host()
+    assert ids == first and stops == [True, False, None]  # None: nine ids, checked on the host instead
+    ps = prompts(n=3, length=6)
+    free = engine(tiny_model_dir).generate(ps, SamplingParams(max_tokens=8, **PARAMS))
+    params = [SamplingParams(max_tokens=8, stop_token_ids=[out[4]], **PARAMS) for out in free]
+    want, got = {}, {}
+    for eng, into in ((engine(tiny_model_dir), want), (_with_step(tiny_model_dir, [1, 2, 4]), got)):
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            eng.add_request(f"r{i}", p, sp)
+        while eng.has_unfinished():
+            for o in eng.step():
+                into.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    into[o.request_id + ":reason"] = o.finish_reason
+    assert got == want and all(want[f"r{i}:reason"].value == "stop" for i in range(3))

@@ -255,6 +255,7 @@ class LLMEngine:
                     c.start_pos,
                     self.scheduler.kv.table(c.request),
                     c.sample,
+                    self._stop_ids(c.request) if c.num_tokens == 1 else (),
                 )
                 for c in sched.chunks
             ]
@@ -347,21 +348,24 @@ class LLMEngine:
     def _update(self, sched: SchedulerOutput, result: torch.Tensor | DecodeResult) -> list[RequestOutput]:
         """Sample from the forward's logits [S, V] (or a fixed-shape step's DecodeResult, whose greedy ids
         the CUDA graph already took on the device) and hand out the tokens."""
-        greedy = None
-        if isinstance(result, DecodeResult):
-            result, greedy = result.logits, result.greedy
         sampling = [c.request for c in sched.chunks if c.sample]
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
-        sampled = (sample(result, sampling, self.eos_token_ids, greedy_ids=greedy) if sampling
-                   else SamplerOutput([], []))
+        stops: list[bool | None] = [None] * len(sampling)
+        if isinstance(result, DecodeResult) and all(r.params.plain_greedy for r in sampling):
+            ids, stops = result.host()  # chosen on the device: one small copy
+            sampled = SamplerOutput(ids, [None] * len(ids))
+        elif isinstance(result, DecodeResult):
+            sampled = sample(result.logits, sampling, self.eos_token_ids, greedy_ids=result.greedy)
+        else:
+            sampled = sample(result, sampling, self.eos_token_ids) if sampling else SamplerOutput([], [])
         now = time.monotonic()
         outputs = []
-        for req, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+        for req, tok, lp, stop in zip(sampling, sampled.token_ids, sampled.logprobs, stops):
             req.output_token_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._stop_reason(req, tok)
+            reason = self._stop_reason(req, tok, stop)
             if reason is not None:
                 self.scheduler.remove(req)
                 switch = self.scheduler.auto.observe(
@@ -376,9 +380,16 @@ class LLMEngine:
                 outputs.append(self._output(req, [tok], lp))
         return outputs
 
-    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        """The ids that end a request: what the fixed-shape step checks on the device."""
         p = req.params
-        stopped = (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(sorted(self.eos_token_ids)))
+
+    def _stop_reason(self, req: Request, tok: int, stopped: bool | None = None) -> FinishReason | None:
+        """stopped: the device's verdict on tok against _stop_ids (None: check here)."""
+        p = req.params
+        if stopped is None:
+            stopped = (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
         if p.detokenize and not stopped:
             stopped = detokenizer.step(self.tokenizer, req, tok) is not None
         if stopped:

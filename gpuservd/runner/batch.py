@@ -37,6 +37,9 @@ class SeqChunk:
     start_pos: int  # absolute position of token_ids[0]; KV for [0, start_pos) is already cached
     block_ids: list[int]  # block table covering positions [0, start_pos + len(token_ids))
     sample: bool  # whether logits of the chunk's last token are needed
+    # Token ids that end the sequence (its EOS ids unless ignored, its stop ids): the fixed-shape decode
+    # step checks its chosen token against them on the device (decode_step.py).
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -3,7 +3,8 @@
 On the GPU a small model's decode step is launch-bound: ~35 kernels a layer,
 each a few microseconds of Python and launch overhead, against well under a
 microsecond of memory traffic. A graph replays the whole forward (embedding,
-every layer, final norm, LM head and the greedy argmax) as one launch.
+every layer, final norm, LM head, the greedy argmax and the stop-id check)
+as one launch.
 
 Capture: after the weights are complete, for every bucket from the largest
 down (smaller graphs reuse the larger ones' memory), all sharing one memory
@@ -107,6 +108,7 @@ class DecodeGraphs:
         inp.token_ids.zero_()
         inp.positions.zero_()
         inp.slots.fill_(-1)
+        inp.stop_ids.fill_(-1)
         inp.ctx_lens.zero_()
 
     def capture(self, sizes, segmented: bool = False) -> float:
@@ -140,9 +142,8 @@ class DecodeGraphs:
     def _capture_whole(self, b: int):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.step.forward(b)
-            greedy = torch.argmax(logits, dim=-1)
-        return g, logits, greedy
+            logits, chosen = self.step.forward_and_choose(b)
+        return g, logits, chosen
 
     def _capture_segments(self, b: int):
         """One graph per layer: [embed + layer 0], [layer 1], ..., [layer L-1 + LM head]; each segment
@@ -157,7 +158,7 @@ class DecodeGraphs:
                 out = step.model.forward(step.batch(b), step.cache.layer, resume=ckpt,
                                          suspend=None if last else (lambda i, stop=layer: i == stop))
                 if last:
-                    out = (out, torch.argmax(out, dim=-1))
+                    out = (out, step.choose(out))
             if not last:
                 assert isinstance(out, LayerCheckpoint)
             segments.append((g, out))
@@ -165,13 +166,14 @@ class DecodeGraphs:
         return segments
 
     def replay(self, bucket: int, between=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay a bucket; (logits [bucket, V], greedy ids [bucket]) in static buffers. With `between`
+        """Replay a bucket; (logits [bucket, V], chosen [2, bucket]: greedy ids, stop verdicts) in static
+        buffers. With `between`
         (the arbiter's yield point) the per-layer segments replay with the yield in between (the
         caller checks has(bucket, segmented=True) first)."""
         if between is None:
-            g, logits, greedy = self._whole[bucket]
+            g, logits, chosen = self._whole[bucket]
             g.replay()
-            return logits, greedy
+            return logits, chosen
         segments = self._segments[bucket]
         for layer, (g, _) in enumerate(segments):
             g.replay()

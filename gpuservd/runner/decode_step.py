@@ -11,10 +11,16 @@ non-blocking copy of it (the build_batch path makes about ten synchronous
 `torch.tensor(..., device=cuda)` copies).
 
 Buffer layout, int64 words: token ids [M] | positions [M] | slots [M] |
-then an int32 region: context lengths [M] (padded to whole words) | block
-tables [M, max_blocks]. M = the largest bucket; max_blocks covers the
-model's context length. A step of bucket b copies the three id arrays, the
-lengths and the first b table rows only.
+stop ids [M, MAX_STOP_IDS] | then an int32 region: context lengths [M]
+(padded to whole words) | block tables [M, max_blocks]. M = the largest
+bucket; max_blocks covers the model's context length. A step of bucket b
+copies everything before the tables and the first b table rows only.
+
+The step also chooses on the device: the greedy argmax of every row and
+whether it is one of the row's stop ids, packed as [2, b] int64 so that one
+small copy brings both to the host (`DecodeResult.host()`). A row with more
+than MAX_STOP_IDS stop ids gets no device verdict (None): the engine checks
+it on the host as before.
 
 Padding rows (n..b-1) have token 0, position 0, slot -1 (the KV store writes
 nowhere: triton_fused / the C++ rope_store_kv skip it) and context length 0
@@ -38,6 +44,8 @@ import torch
 from gpuservd.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, check_batch_sizes
 from gpuservd.runner.batch import ForwardBatch, SeqChunk
 
+MAX_STOP_IDS = 8  # stop ids per row checked on the device
+
 def bucket_for(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest bucket that holds n rows, or None when n is above the largest."""
     for b in sizes:
@@ -53,16 +61,20 @@ class DecodeInputs:
         m = max_batch
         self.max_batch, self.max_blocks = m, max_blocks
         self._lens_words = -(-m // 2)  # m int32 lengths in whole int64 words
-        words = 3 * m + self._lens_words + -(-(m * max_blocks) // 2)
+        self._head = (3 + MAX_STOP_IDS) * m  # int64 words before the int32 region
+        words = self._head + self._lens_words + -(-(m * max_blocks) // 2)
         self.device_buf = torch.zeros(words, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self.staging = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
         self.token_ids, self.positions, self.slots = self._id_views(self.device_buf)
+        self.stop_ids = self.device_buf[3 * m: self._head].view(m, MAX_STOP_IDS)  # -1 = none
         self.ctx_lens, self.block_tables = self._int32_views(self.device_buf)
         # Host views of the staging buffer, as numpy arrays over the same memory.
         host = self.staging.numpy()
         self._h_ids, self._h_pos, self._h_slots = host[:m], host[m: 2 * m], host[2 * m: 3 * m]
-        tail = host[3 * m:].view(np.int32)
+        self._h_stop = host[3 * m: self._head].reshape(m, MAX_STOP_IDS)
+        self.unchecked: list[int] = []  # rows of the last fill whose stop ids did not fit
+        tail = host[self._head:].view(np.int32)
         self._h_lens = tail[:m]
         self._h_tables = tail[2 * self._lens_words: 2 * self._lens_words + m * max_blocks].reshape(m, max_blocks)
         self.rows = torch.arange(m, dtype=torch.long, device=device)  # logits_indices of every bucket
@@ -73,7 +85,7 @@ class DecodeInputs:
 
     def _int32_views(self, buf: torch.Tensor):
         m = self.max_batch
-        tail = buf[3 * m:].view(torch.int32)
+        tail = buf[self._head:].view(torch.int32)
         lens = tail[:m]
         start = 2 * self._lens_words
         return lens, tail[start: start + m * self.max_blocks].view(m, self.max_blocks)
@@ -84,6 +96,9 @@ class DecodeInputs:
         if not 0 < n <= bucket <= self.max_batch:
             raise ValueError(f"{n} rows do not fit bucket {bucket} (largest {self.max_batch})")
         ids, pos, slots, lens, tables = self._h_ids, self._h_pos, self._h_slots, self._h_lens, self._h_tables
+        stop = self._h_stop
+        stop[:bucket] = -1
+        self.unchecked = []
         for i, c in enumerate(chunks):
             p = c.start_pos
             need = p // block_size + 1
@@ -94,9 +109,13 @@ class DecodeInputs:
             ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
             slots[i] = c.block_ids[p // block_size] * block_size + p % block_size
             tables[i, :need] = c.block_ids[:need]
+            if len(c.stop_ids) <= MAX_STOP_IDS:
+                stop[i, : len(c.stop_ids)] = c.stop_ids
+            else:
+                self.unchecked.append(i)
         ids[n:bucket], pos[n:bucket], slots[n:bucket], lens[n:bucket] = 0, 0, -1, 0
-        # The three id arrays, the lengths and the first `bucket` table rows are one prefix of the buffer.
-        words = 3 * self.max_batch + self._lens_words + -(-(bucket * self.max_blocks) // 2)
+        # Everything before the tables, and the first `bucket` table rows, are one prefix of the buffer.
+        words = self._head + self._lens_words + -(-(bucket * self.max_blocks) // 2)
         self.device_buf[:words].copy_(self.staging[:words], non_blocking=True)
 
     def batch(self, bucket: int) -> ForwardBatch:
@@ -132,32 +151,57 @@ class DecodeStep:
                 and all(len(c.token_ids) == 1 and c.sample for c in chunks))
 
     def run(self, chunks: list[SeqChunk], between=None) -> "DecodeResult":
-        """Logits [n, V] (fp32) of n decode chunks, and their greedy ids where a graph took them on the
-        device. between(layer) is called after each layer (the sharing arbiter's yield point; it must
-        return False: decode is never suspended)."""
+        """The step for n decode chunks: their logits [n, V] (fp32) and, chosen on the device, their
+        greedy ids and stop verdicts. between(layer) is called after each layer (the sharing arbiter's
+        yield point; it must return False: decode is never suspended)."""
         n = len(chunks)
         bucket = bucket_for(n, self.batch_sizes)
         self.inputs.fill(chunks, bucket, self.block_size)
         g = self.graphs
         if g is not None and g.has(bucket, segmented=between is not None):
-            logits, greedy = g.replay(bucket, between)
+            logits, chosen = g.replay(bucket, between)
             self.last_path = "graph"
-            return DecodeResult(logits[:n], greedy[:n])
-        self.last_path = "eager"
-        return DecodeResult(self.forward(bucket, between)[:n], None)
+        else:
+            logits, chosen = self.forward_and_choose(bucket, between)
+            self.last_path = "eager"
+        return DecodeResult(logits[:n], chosen[:, :n], list(self.inputs.unchecked))
 
     def batch(self, bucket: int) -> ForwardBatch:
         return self._batches[bucket]
 
     def forward(self, bucket: int, between=None) -> torch.Tensor:
-        """The eager forward of a bucket over the buffers as they are (also what a graph captures)."""
+        """The eager forward of a bucket over the buffers as they are: logits [bucket, V]."""
         return self.model.forward(self._batches[bucket], self.cache.layer, suspend=between)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """[2, b] int64: each row's greedy id, and 1 where that id is one of the row's stop ids."""
+        greedy = torch.argmax(logits, dim=-1)
+        hit = (greedy[:, None] == self.inputs.stop_ids[: logits.shape[0]]).any(-1)
+        return torch.stack([greedy, hit.to(torch.int64)])
+
+    def forward_and_choose(self, bucket: int, between=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What one graph holds: the forward, then the choice on the device."""
+        logits = self.forward(bucket, between)
+        return logits, self.choose(logits)
 
 
 class DecodeResult:
-    """A fixed-shape step's output: logits [n, V] fp32 on the device, and greedy ids [n] (int64, on the
-    device) when the argmax ran inside the graph, else None."""
+    """A fixed-shape step's output, on the device: logits [n, V] fp32 and chosen [2, n] int64 (greedy
+    ids; stop verdicts). unchecked: rows whose stop ids did not fit the device check."""
 
-    def __init__(self, logits: torch.Tensor, greedy: torch.Tensor | None):
+    def __init__(self, logits: torch.Tensor, chosen: torch.Tensor, unchecked: list[int]):
         self.logits = logits
-        self.greedy = greedy
+        self.chosen = chosen
+        self.unchecked = unchecked
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.chosen[0]
+
+    def host(self) -> tuple[list[int], list[bool | None]]:
+        """Greedy ids and stop verdicts (None: not checked on the device), in one copy to the host."""
+        ids, hits = self.chosen.tolist()
+        stops: list[bool | None] = [bool(h) for h in hits]
+        for i in self.unchecked:
+            stops[i] = None
+        return ids, stops
