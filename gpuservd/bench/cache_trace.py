@@ -1,4 +1,4 @@
-"""`gpuserv bench cache-trace`: the weight cache's hit rate on a multi-model trace (M3, M9).
+"""`gpuserv bench cache-trace`: the weight cache's hit rate on a multi-model trace (LRU and prefetch).
 
 The real LRU policy with and without the prefetch predictor, next to Belady's
 offline optimum, at several device cache sizes. See weights/trace_sim.py.
@@ -43,7 +43,7 @@ def markdown(r: dict) -> str:
 
 
 def _plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
+    import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

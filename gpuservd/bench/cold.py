@@ -1,4 +1,4 @@
-"""Cold start (M4, M5): time to first token of a model that is only on disk.
+"""Cold start (layered loading, INT8 transfer): time to first token of a model that is only on disk.
 
 For each load strategy (full; layered; layered from the INT8 file) and each
 repeat: the model's files are dropped from the page cache (posix_fadvise
@@ -17,6 +17,19 @@ import platform
 import statistics
 import time
 from pathlib import Path
+
+import torch
+
+from gpuservd.bench.output import write_result
+from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
+from gpuservd.config import EngineConfig
+from gpuservd.engine.engine import LLMEngine
+from gpuservd.engine.request import SamplingParams
+from gpuservd.runner.batch import SeqChunk
+from gpuservd.runner.load import SafetensorsReader
+from gpuservd.runner.model_config import load_arch
+from gpuservd.store.store import ModelStore
+from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
 
 STRATEGIES = ("full", "layered", "layered+int8")
 
@@ -38,18 +51,12 @@ def drop_page_cache(paths) -> None:
 
 
 def _engine(model: str, model_dir: Path, cfg, strategy: str, initial_layers: int):
-    from gpuservd.engine.engine import LLMEngine
-    from gpuservd.runner.load import SafetensorsReader
-    from gpuservd.weights.int8_file import Int8Reader, int8_path
-
     source = Int8Reader(int8_path(model_dir)) if strategy.endswith("int8") else SafetensorsReader(model_dir)
     initial = initial_layers if strategy.startswith("layered") else None
     return LLMEngine(model, model_dir, cfg, weight_source=source, initial_layers=initial), source
 
 
 def _ttft(engine, prompt: list[int]) -> float:
-    from gpuservd.engine.request import SamplingParams
-
     engine.add_request("cold", prompt, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
     while True:
         for out in engine.step():
@@ -77,13 +84,6 @@ def _quality_prompts(model_dir: Path, vocab: int) -> list[list[int]]:
 
 def int8_quality(model: str, model_dir: Path, cfg, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy agreement and max |logit difference| of the INT8 weights against fp32."""
-    import torch
-
-    from gpuservd.engine.engine import LLMEngine
-    from gpuservd.engine.request import SamplingParams
-    from gpuservd.runner.batch import SeqChunk
-    from gpuservd.weights.int8_file import Int8Reader, int8_path
-
     ref = LLMEngine(model, model_dir, cfg)
     q8 = LLMEngine(model, model_dir, cfg, weight_source=Int8Reader(int8_path(model_dir)))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
@@ -117,19 +117,11 @@ def read_floor_s(paths) -> float:
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        import torch
-
         torch.cuda.synchronize(device)
 
 
 def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_layers: int = 8, repeats: int = 3,
                    num_threads: int | None = None, log=print, device: str = "cpu", dtype: str = "float32") -> dict:
-    from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
-    from gpuservd.config import EngineConfig
-    from gpuservd.runner.load import SafetensorsReader
-    from gpuservd.store.store import ModelStore
-    from gpuservd.weights.int8_file import int8_path, write_int8
-
     store = ModelStore()
     if model in RANDOM_MODELS:  # a stand-in of a known shape (isolation-small: SmolLM2's), made on first use
         ensure_random_llama(store, model, RANDOM_MODELS[model], tokenizer_from="smollm2")
@@ -142,7 +134,6 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
         log("writing the INT8 copy into the store (once)")
         write_int8(SafetensorsReader(model_dir), model_dir)
     files = sorted(str(p) for p in model_dir.glob("*.safetensors")) + [str(int8_path(model_dir))]
-    from gpuservd.runner.model_config import load_arch
 
     vocab = load_arch(model_dir).vocab_size
     prompt = [3 + (100 + i * 7) % (vocab - 3) for i in range(prompt_tokens)]
@@ -185,7 +176,6 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
         summary[s]["read_floor_s"] = statistics.median(floors["int8" if s.endswith("int8") else "full"])
     log("quality of the INT8 weights")
     quality = int8_quality(model, model_dir, cfg, _quality_prompts(model_dir, vocab), 32)
-    import torch
 
     result = {"model": model, "device": device, "device_name": _device_name(device), "dtype": dtype,
               "prompt_tokens": prompt_tokens, "initial_layers": initial_layers, "repeats": repeats,
@@ -194,7 +184,6 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
               "int8_quality": quality, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "method": "page cache dropped (posix_fadvise DONTNEED) before each run; medians over repeats; "
                         "read floor: the files read once, cache dropped"}
-    from gpuservd.bench.output import write_result
 
     _plot(write_result(out_dir, result, markdown(result)) / "cold_start.png", summary)
     return result
@@ -202,8 +191,6 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
 
 def _device_name(device: str) -> str:
     if device.startswith("cuda"):
-        import torch
-
         return torch.cuda.get_device_name(torch.device(device))
     return platform.processor() or platform.machine()
 
@@ -227,7 +214,7 @@ def markdown(r: dict) -> str:
 
 
 def _plot(path: Path, summary: dict) -> None:
-    import matplotlib
+    import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -12,11 +12,10 @@ import time
 from typing import Sequence
 
 from gpuservd.bench.records import RequestTiming, SystemRun
+from gpuservd.engine.request import SamplingParams
 
 
 def _params(max_tokens: int):
-    from gpuservd.engine.request import SamplingParams
-
     # Forced lengths, greedy, no text: the same work the peers are asked to do.
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
@@ -78,7 +77,8 @@ def run_gpuserv(engine, requests: Sequence) -> SystemRun:
 
 
 def preemption_costs(steps) -> dict:
-    """What scheduling and preemption cost over a run (S6), from the step records."""
+    """What scheduling and preemption cost over a run, from the step records (the cost must stay
+    below what they win)."""
     wall = max(1e-9, sum(s.wall_s for s in steps))
     per_request: dict[str, int] = {}
     kinds: dict[str, int] = {}

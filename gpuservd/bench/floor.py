@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 
+# torch is imported inside measure_read_bandwidth: reports import this module without it (test_bench_report.py).
 GIB = 1 << 30
 
 

@@ -1,4 +1,5 @@
-"""`gpuserv bench isolation`: two models on one device (MISSION G5, G2, G4).
+"""`gpuserv bench isolation`: two models on one device: isolation judged on the small
+model's P99 (never the mean), with time slices and bandwidth priority.
 
 A small latency-critical model under steady Poisson load and a larger
 best-effort model under heavy closed-loop load, on the same device, each on its
@@ -13,7 +14,7 @@ engines:
   gpuserv-concurrent  both, the arbiter with the models in separate groups (no time slices):
                     bandwidth priority alone (what protects a model in its own SM partition)
 
-Then the time-slice overhead (G2): both models saturated and best effort with
+Then the time-slice overhead: both models saturated and best effort with
 equal shares, at quanta 10, 20 and 50 ms; reported as the arbiter's own
 switching share (handoff time / time) and end to end (1 - the sum of each
 model's throughput as a fraction of its saturated solo throughput).
@@ -31,10 +32,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from gpuservd.bench.floor import ForeignLoad
 from gpuservd.bench.output import write_result
+from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
 from gpuservd.bench.report import percentiles
+from gpuservd.config import EngineConfig
+from gpuservd.engine.engine import LLMEngine
+from gpuservd.engine.request import SamplingParams
+from gpuservd.engine_loop import EngineLoop, Failed, Submission
 from gpuservd.gpu.readings import DeviceReader, PhaseSampler
+from gpuservd.sharing.arbiter import Arbiter
+from gpuservd.sharing.config import SharingClass, SharingConfig
+from gpuservd.store.store import ModelStore
 
 WARM_FRACTION = 0.25  # throughput is counted after the first quarter of a phase (past the initial prefills)
 PHASES = ("small-alone", "big-alone", "naive", "gpuserv", "gpuserv-concurrent")
@@ -77,8 +88,6 @@ class _Track:
         self.error = None
 
     def put(self, item) -> None:
-        from gpuservd.engine_loop import Failed
-
         if isinstance(item, Failed):
             self.error = item.error
             self.finished_at = time.perf_counter()
@@ -108,9 +117,6 @@ class _Driver:
         self.events.extend(events)
 
     def submit(self, model: str, prompt: list[int], max_tokens: int, done) -> _Track:
-        from gpuservd.engine.request import SamplingParams
-        from gpuservd.engine_loop import Submission
-
         self._n += 1
         rid = f"{model}-{self._n}"
         t = _Track(rid, time.perf_counter(), done)
@@ -124,8 +130,6 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def _engine_config(spec: IsolationSpec, model: str, big: bool):
-    from gpuservd.config import EngineConfig
-
     cfg = EngineConfig(model=model, device=spec.device, dtype=spec.dtype, kv_cache_bytes=512 << 20)
     if big:
         # The best-effort model prefills at most one prompt's worth a step: shorter layers, so the
@@ -244,9 +248,6 @@ def _summarise(raw: dict, spec: IsolationSpec, duration: float) -> dict:
 async def _set_arbiter(drv: _Driver, spec: IsolationSpec, mode: str | None, quantum_ms: float = 20,
                        shares: tuple[float, float] | None = None):
     """mode None: no arbiter; "slice": one time-sliced group; "concurrent": a group per model."""
-    from gpuservd.sharing.arbiter import Arbiter
-    from gpuservd.sharing.config import SharingClass, SharingConfig
-
     if mode is None:
         for lp in drv.loops.values():
             await asyncio.wrap_future(lp.set_arbiter(None))
@@ -265,10 +266,6 @@ async def _set_arbiter(drv: _Driver, spec: IsolationSpec, mode: str | None, quan
 
 
 async def _main(spec: IsolationSpec, log) -> dict:
-    from gpuservd.engine.engine import LLMEngine
-    from gpuservd.engine_loop import EngineLoop
-    from gpuservd.store.store import ModelStore
-
     aloop = asyncio.get_running_loop()
     drv = _Driver(aloop)
     if spec.device.startswith("cuda"):  # the SM clock and load of each phase (a CPU has no such reading)
@@ -365,11 +362,6 @@ async def _overhead(drv: _Driver, spec: IsolationSpec, log):
 
 
 def run_isolation(spec: IsolationSpec, out_dir: Path, log=print) -> dict:
-    import torch
-
-    from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
-    from gpuservd.store.store import ModelStore
-
     store = ModelStore()
     for name in (spec.small, spec.big):  # the benchmark's own random models are made on first use
         if name in RANDOM_MODELS:
@@ -456,8 +448,8 @@ def markdown(r: dict) -> str:
 
 
 def plot(path: Path, r: dict) -> None:
-    """CDF of the small model's request latency in each phase: the tail is the point (G5)."""
-    import matplotlib
+    """CDF of the small model's request latency in each phase: the tail is the point."""
+    import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

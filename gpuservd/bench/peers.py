@@ -24,6 +24,9 @@ from collections.abc import Sequence
 from gpuservd.bench.floor import ForeignLoad
 from gpuservd.bench.records import RequestTiming, SystemRun
 
+# torch and transformers are imported inside the functions that run a peer: reports and the socket
+# benchmark import this module on machines and paths that never load a model (test_bench_report.py).
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
           "fp16": "float16", "half": "float16"}
 

@@ -13,6 +13,9 @@ import json
 import shutil
 from dataclasses import dataclass
 
+import torch
+from safetensors.torch import save_file
+
 from gpuservd.errors import UserError
 
 
@@ -45,6 +48,7 @@ RANDOM_MODELS = {"isolation-big": LlamaShape(), "isolation-small": SMOLLM2_SHAPE
 def _byte_level_tokenizer(path) -> None:
     """A small byte-level BPE with ChatML's special tokens (ids 0-2, as in SmolLM2), trained in-process:
     the benchmarks send token ids, so only the special tokens and a working decoder matter."""
+    # only when a tokenizer is trained: transformers takes seconds to import
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,8 +75,6 @@ def ensure_random_llama(store, name: str, shape: LlamaShape, tokenizer_from: str
         if all(cfg.get(k) == v for k, v in shape.__dict__.items()):
             return name
         raise UserError(f"model {name} is in the store with another shape; remove it (gpuserv models rm {name})")
-    import torch
-    from safetensors.torch import save_file
 
     src = store.path(tokenizer_from) if tokenizer_from and tokenizer_from in store.names() else None
     with store.staging(name, source=f"random:{shape.num_parameters()}") as tmp:

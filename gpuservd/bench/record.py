@@ -1,4 +1,5 @@
-"""`gpuserv record`: live traffic from the daemon as a trace that `gpuserv bench -w` replays (O3).
+"""`gpuserv record`: live traffic from the daemon as a trace that `gpuserv bench -w` replays (load tests
+with real workloads, not fixed lengths).
 
 Each `request_finished` event (arrival time, model, tenant, priority, prompt
 and output token counts) becomes one JSONL line of the bench's trace format:

@@ -257,7 +257,7 @@ def _preemption_lines(result: dict, groups: list[str]) -> list[str]:
 
 def plot_latency_cdf(path, runs: list[SystemRun], classes: list[str]) -> None:
     """One panel per request class (plus "all" when there are several), one CDF line per system."""
-    import matplotlib
+    import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")  # no display: this runs on servers and in tests
     import matplotlib.pyplot as plt

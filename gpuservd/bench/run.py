@@ -8,7 +8,17 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
+from gpuservd.bench import peers as peer_mod
+from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
+from gpuservd.bench.floor import ForeignLoad, floor_summary, measure_read_bandwidth, weight_bytes_per_decode_step
+from gpuservd.bench.report import OURS, write_report
+from gpuservd.bench.workload import load_workload
+from gpuservd.config import load_config
+from gpuservd.engine.engine import LLMEngine
 from gpuservd.errors import UserError
+from gpuservd.store.store import ModelStore
 
 PEERS = ("hf_static", "hf_continuous")
 
@@ -49,11 +59,6 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
     run of median throughput, and every round's throughput is kept (`extra.rounds_tok_s`)."""
     if repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {repeats}")
-    from gpuservd.bench.floor import measure_read_bandwidth
-    from gpuservd.bench.report import OURS, write_report
-    from gpuservd.bench.workload import load_workload
-    from gpuservd.config import load_config
-    from gpuservd.store.store import ModelStore
 
     workload = load_workload(workload_path)
     compare = list(compare or [])
@@ -70,8 +75,6 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
     model_dir = store.path(cfg.model)
     out_dir = out_dir or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{workload.name}"
 
-    import torch
-
     threads = cfg.num_threads or torch.get_num_threads()
     # Measured before anything else is allocated: inside a process that already holds the
     # engine, the same probe read 58 GB/s against 29-32 GB/s in a fresh one on this machine
@@ -86,8 +89,6 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
         requests, floor = _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_without, threads,
                                          bandwidth, requests, floor, by_system, log)
         for peer in peers:
-            from gpuservd.bench import peers as peer_mod
-
             log(f"{peer}: running")
             fn = getattr(peer_mod, f"run_{peer}")
             prun = fn(model_dir, requests, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs,
@@ -117,13 +118,6 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
                    floor, by_system: dict, log):
     """One round of gpuserv runs (each config, and the alone-without run); the first measures the floor.
     Returns (requests, floor): the workload is materialized once, with the first engine's tokenizer."""
-    import torch
-
-    from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
-    from gpuservd.bench.floor import ForeignLoad, floor_summary, weight_bytes_per_decode_step
-    from gpuservd.bench.report import OURS
-    from gpuservd.engine.engine import LLMEngine
-
     for name, c in configs:
         c.model = cfg.model
         log(f"{name}: loading {c.model} ({c.dtype}) from {model_dir}")

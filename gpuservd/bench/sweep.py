@@ -1,4 +1,4 @@
-"""`gpuserv bench sweep`: decode throughput against batch size, the plateau, and max_num_seqs (S9).
+"""`gpuserv bench sweep`: decode throughput against batch size, the plateau, and max_num_seqs.
 
 For each batch size B the sweep runs B sequences of `prompt_tokens` random
 tokens on an in-process engine and times the decode steps that carry exactly
@@ -24,8 +24,7 @@ no plateau in the range (a CPU: bigger batches keep amortising per-step
 overheads while each token takes longer).
 
 The latest result per model is also kept at `$GPUSERV_HOME/sweeps/<model>.json`,
-where the daemon's `batch_past_plateau` hint reads it (hints/sweeps.py). torch is imported only
-inside the functions that run the engine.
+where the daemon's `batch_past_plateau` hint reads it (hints/sweeps.py).
 """
 
 from __future__ import annotations
@@ -35,6 +34,12 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from gpuservd.config import load_config
+from gpuservd.engine.engine import LLMEngine
+from gpuservd.engine.request import SamplingParams
 from gpuservd.hints.sweeps import sweep_path
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -72,8 +77,6 @@ def find_knee(points: list[dict], factor: float = KNEE_FACTOR) -> dict:
 
 
 def _params(max_tokens: int):
-    from gpuservd.engine.request import SamplingParams
-
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
@@ -117,12 +120,6 @@ def run_sweep(model: str, config_path: Path | None = None, batches=DEFAULT_BATCH
               prefill_chunk: int = 256, steps: int = 8, out_dir: Path | None = None, save_latest: bool = True,
               log=print) -> dict:
     """Run the sweep, write result.json, result.md and sweep.png under out_dir; returns the result."""
-    import numpy as np
-    import torch
-
-    from gpuservd.config import load_config
-    from gpuservd.engine.engine import LLMEngine
-
     batches = sorted(set(int(b) for b in batches))
     if not batches or batches[0] < 1:
         raise ValueError("batch sizes must be >= 1")
@@ -197,7 +194,7 @@ def markdown(r: dict) -> str:
 
 
 def write_sweep(out_dir: Path, r: dict) -> None:
-    import matplotlib
+    import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,4 +1,4 @@
-"""Variant load (M6): what loading a variant moves when its base is resident, against a full load.
+"""Variant load: what loading a variant moves when its base is resident, against a full load.
 
 A random LoRA adapter (and a full-rank delta) for the model is written and
 derived into a private store beside a link to the real model (the user's store
@@ -19,18 +19,33 @@ here the largest logit change the adapter makes is reported, to show it is not a
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from gpuservd.bench.cold import drop_page_cache as _drop
+from gpuservd.bench.output import write_result
+from gpuservd.daemon_config import daemon_config_from_dict
+from gpuservd.kv_cache.cache import KVCache, cache_shape
+from gpuservd.runner.batch import SeqChunk, build_batch
+from gpuservd.runner.llama import LlamaModel
+from gpuservd.runner.load import SafetensorsReader, load_weights
+from gpuservd.runner.model_config import load_arch
+from gpuservd.serving import Serving
+from gpuservd.store.layout import read_config
+from gpuservd.store.store import ModelStore
+from gpuservd.tenants import TenantMap
+from gpuservd.weights.delta import CountingSource, VariantSource, make_adapter
 
 
 def drop_page_cache(paths) -> None:
     """Drop the files' cached pages once the last run's mappings are gone (mapped pages stay cached)."""
-    import gc
-
     gc.collect()
     _drop(paths)
 
@@ -40,12 +55,6 @@ def _files(d: Path) -> list[Path]:
 
 
 def _weights_run(base_dir: Path, variant_dir: Path, base_cfg: dict, dtype) -> dict:
-    import torch
-
-    from gpuservd.runner.model_config import load_arch
-    from gpuservd.runner.load import SafetensorsReader, load_weights
-    from gpuservd.weights.delta import CountingSource, VariantSource
-
     arch = load_arch(base_dir)
     drop_page_cache(_files(base_dir) + _files(variant_dir))
     base_src = CountingSource(SafetensorsReader(base_dir))
@@ -64,10 +73,6 @@ def _weights_run(base_dir: Path, variant_dir: Path, base_cfg: dict, dtype) -> di
 
 
 def _serving_run(model: str, variant: str, dirs: list[Path], threads: int | None) -> dict:
-    from gpuservd.daemon_config import daemon_config_from_dict
-    from gpuservd.serving import Serving
-    from gpuservd.tenants import TenantMap
-
     engine = {"kv_cache_bytes": "64MiB", "num_threads": threads} if threads else {"kv_cache_bytes": "64MiB"}
 
     async def main():
@@ -109,15 +114,6 @@ def _serving_run(model: str, variant: str, dirs: list[Path], threads: int | None
 
 def _logit_change(base_dir: Path, variant_dir: Path, base_cfg: dict) -> float:
     """Largest logit change the adapter makes on a short prompt (0 would mean a no-op adapter)."""
-    import torch
-
-    from gpuservd.kv_cache.cache import KVCache, cache_shape
-    from gpuservd.runner.batch import SeqChunk, build_batch
-    from gpuservd.runner.llama import LlamaModel
-    from gpuservd.runner.model_config import load_arch
-    from gpuservd.runner.load import load_weights
-    from gpuservd.weights.delta import VariantSource
-
     arch = load_arch(base_dir)
     base = load_weights(base_dir, arch, torch.float32, torch.device("cpu"))
     var = VariantSource(base, variant_dir, base_cfg, base_dir.name).build_weights(arch, torch.float32, "cpu")
@@ -132,19 +128,11 @@ def _logit_change(base_dir: Path, variant_dir: Path, base_cfg: dict) -> float:
 
 def run_variant_load(model: str, out_dir: Path, rank: int = 8, repeats: int = 3, threads: int | None = None,
                      log=print) -> dict:
-    import torch
-
-    from gpuservd.store.layout import read_config
-    from gpuservd.store.store import ModelStore
-    from gpuservd.weights.delta import make_adapter
-
     if threads:
         torch.set_num_threads(threads)
     base_dir = ModelStore().path(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    import shutil
-    import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="gpuserv-variant-load-"))  # adapters + a private store, removed after
     home = work / "home"  # the private store: a link to the real model plus the derived variants
@@ -196,7 +184,6 @@ def run_variant_load(model: str, out_dir: Path, rank: int = 8, repeats: int = 3,
                         "bytes counted at the tensor sources; fp32 compute"}
     raw = _raw_read_s(base_dir)
     result["raw_read_s"] = raw
-    from gpuservd.bench.output import write_result
 
     write_result(out_dir, result, markdown(result))
     return result

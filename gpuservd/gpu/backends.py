@@ -1,4 +1,4 @@
-"""SM-partition enforcement backends (G1), chosen once at start and shown in status.
+"""SM-partition enforcement backends (what keeps each model's kernels on its own SMs), chosen once at start and shown in status.
 
     backend = choose_backend(cfg.sharing.backend, cfg.engine.device)
     backend.status()["summary"]      # one line for status / doctor / the console
@@ -30,6 +30,7 @@ import abc
 import threading
 
 from gpuservd.errors import Choice, UserError
+from gpuservd.gpu.green import default_adapter
 from gpuservd.gpu.mps import MpsDaemon, detect_mps, worker_env
 from gpuservd.gpu.readings import NO_CUDA, cuda_index
 
@@ -264,7 +265,7 @@ def cuda_reason(device: str) -> str | None:
     if index is None:
         return NO_CUDA
     try:
-        import torch
+        import torch  # only for a cuda:N device: the CLI and the config checks import this module
 
         if not torch.cuda.is_available():
             return NO_CUDA
@@ -273,12 +274,6 @@ def cuda_reason(device: str) -> str | None:
     except Exception as exc:
         return f"{NO_CUDA} ({exc})"
     return None
-
-
-def _default_green():
-    from gpuservd.gpu.green import default_adapter
-
-    return default_adapter()
 
 
 def choose_backend(requested: Backend | str, device: str, *, green=None, mps=None, cuda_check=None
@@ -297,13 +292,13 @@ def choose_backend(requested: Backend | str, device: str, *, green=None, mps=Non
         if requested is Backend.AUTO:
             return NoPartitions(why)
         if requested is Backend.GREEN_CONTEXT:  # torch's own reason too (a CPU build, no green contexts)
-            ok, what = (green or _default_green()).available(cuda_index(device))
+            ok, what = (green or default_adapter()).available(cuda_index(device))
             why = why if ok or what == why else f"{why}; {what}"
         raise UserError(f"sharing.backend {requested.value} is not available on {device}: {why}")
     index = cuda_index(device)
     green_reason = ""
     if requested in (Backend.AUTO, Backend.GREEN_CONTEXT):
-        green = green or _default_green()
+        green = green or default_adapter()
         ok, what = green.available(index, probe=True)
         if ok:
             return GreenContextBackend(green, index, what)

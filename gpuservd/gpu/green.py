@@ -1,4 +1,4 @@
-"""CUDA green contexts across torch versions: one SM group and stream per model, inside one process (G1).
+"""CUDA green contexts across torch versions: one SM group and stream per model, inside one process.
 
     ok, reason = available(device_index=0)
     g = create(num_sms=40, device_index=0)   # workqueue_scope="balanced" where torch offers it
@@ -38,6 +38,8 @@ from __future__ import annotations
 import inspect
 import threading
 from dataclasses import dataclass, field
+
+from gpuservd.gpu import green_driver
 
 PROBE_NUM_SMS = 8  # a probe context: the smallest count every architecture accepts (Hopper's granule is 8)
 
@@ -203,7 +205,7 @@ class GreenAdapter:
         self._reason: str | None = None
         self._driver_split = driver_split  # (sizes, device_index) -> contexts; default green_driver.split
         if cls is None or cuda is None:
-            try:
+            try:  # torch only when an adapter is made: the CLI imports this package to report on it
                 import torch
             except ImportError:
                 self._reason = "torch not installed"
@@ -294,9 +296,7 @@ class GreenAdapter:
         if self._driver_split is not None:
             return True, "the CUDA driver (cuda.bindings)"
         try:
-            from gpuservd.gpu.green_driver import load_driver
-
-            load_driver()
+            green_driver.load_driver()
         except ImportError as exc:
             return False, (f"torch {self.torch_version} has no GreenContext.split and {exc}: partitions are "
                            "capped at their SM count but may share SMs")
@@ -321,8 +321,6 @@ class GreenAdapter:
             if self._driver_split is not None:
                 ctxs = self._driver_split(list(sizes), device_index)
             else:
-                from gpuservd.gpu import green_driver
-
                 ctxs = green_driver.split(list(sizes), device_index)
             notes = tried + (["work queues shared (the driver path sets no workqueue scope)"]
                              if workqueue_scope else [])

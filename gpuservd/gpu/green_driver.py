@@ -8,7 +8,7 @@ here the same thing is done for the torch versions before it:
 
     resource = the device's SMs
     for each partition but the last:  (group, rest) = split(resource, n); resource = SMs of a context made of rest
-    the last partition is split from what is left; what remains after it is the spare (G1's buffer)
+    the last partition is split from what is left; what remains after it is the spare (the planner's elastic buffer)
 
 The driver rounds each count up to its granule (8 SMs on Hopper); `sm_count` is what it gave.
 Work reaches a partition through streams made with cuGreenCtxStreamCreate, wrapped as torch
@@ -112,7 +112,7 @@ def split(sizes: list[int], device_index: int, *, drv=None, cuda=None) -> list[D
     if drv is None:
         drv = load_driver()
     if cuda is None:
-        import torch
+        import torch  # only when contexts are made: the gpu package is imported by torch-free commands
 
         cuda = torch.cuda
         torch.cuda.init()  # the primary context first (creating a green context retains it)

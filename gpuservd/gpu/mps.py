@@ -16,6 +16,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 CONTROL_NAME = "nvidia-cuda-mps-control"
 MIB = 2**20
@@ -44,8 +46,6 @@ def detect_mps(env: dict | None = None, process_names=None) -> MpsDaemon:
         pass
     if process_names is None:
         try:
-            import psutil
-
             process_names = ((p.info["pid"], p.info["name"]) for p in psutil.process_iter(["pid", "name"]))
         except Exception:
             process_names = ()

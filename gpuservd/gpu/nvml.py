@@ -21,7 +21,7 @@ import time
 GPM_METRICS = (
     ("NVML_GPM_METRIC_SM_UTIL", "sm_active_pct", 1.0),  # share of SMs busy, averaged over the interval
     ("NVML_GPM_METRIC_SM_OCCUPANCY", "sm_occupancy_pct", 1.0),  # resident warps / the maximum
-    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "mem_bw_util_pct", 1.0),  # HBM bandwidth used / peak (G4)
+    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "mem_bw_util_pct", 1.0),  # HBM bandwidth used / peak (the arbiter's bandwidth priority reads it)
     ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "tensor_active_pct", 1.0),
     ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", "pcie_tx_bytes_per_s", float(2**20)),  # GPM gives MiB/s
     ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", "pcie_rx_bytes_per_s", float(2**20)),

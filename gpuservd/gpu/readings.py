@@ -19,7 +19,7 @@ Device fields (NVML):
   temperature_c, power_w, sm_clock_mhz, mem_clock_mhz
   sm_active_pct        GPM: share of SMs busy (the one to read for "SMs idle while steps are slow")
   sm_occupancy_pct     GPM: resident warps / maximum
-  mem_bw_util_pct      GPM: HBM bandwidth used / peak (G4); None before Hopper
+  mem_bw_util_pct      GPM: HBM bandwidth used / peak (for bandwidth priority); None before Hopper
   tensor_active_pct    GPM: share of time tensor cores worked
   throttle_reasons     clock event reasons, e.g. ["sw_power_cap"], ["hw_thermal"]
   xid_errors_total     critical Xid events since this reader started; last_xid the latest (None: none yet)
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+from gpuservd.gpu.nvml import NvmlDevice, NvmlUnavailable
 
 DEVICE_FIELDS = ("sm_util_pct", "mem_util_pct", "mem_used_bytes", "mem_total_bytes", "pcie_tx_bytes_per_s",
                  "pcie_rx_bytes_per_s", "temperature_c", "power_w", "sm_clock_mhz", "mem_clock_mhz",
@@ -50,7 +52,7 @@ def cuda_index(device: str) -> int | None:
 
 def cuda_identity(index: int) -> dict | str:
     """What NVML needs to find CUDA device `index` (uuid, pci_bus_id, index), or why there is none."""
-    try:
+    try:  # torch only when a CUDA device is asked about: `gpuserv doctor` reads this without one
         import torch
     except ImportError:
         return "torch not installed"
@@ -152,8 +154,6 @@ class DeviceReader:
             except ImportError:
                 self._reason = "nvidia-ml-py not installed"
                 return
-        from gpuservd.gpu.nvml import NvmlDevice, NvmlUnavailable
-
         try:
             self._nvml = NvmlDevice.open(nvml, ident)
         except NvmlUnavailable as exc:

@@ -1,4 +1,4 @@
-"""A hint rule (O1: symptom -> likely cause -> action, with the evidence that fired it) and its inputs.
+"""A hint rule (symptom -> likely cause -> action, with the evidence that fired it) and its inputs.
 
 A rule's `check(window, model, thresholds)` returns the evidence (a dict of
 numbers and names) when the symptom holds, else None. `per_model` rules are
@@ -22,16 +22,16 @@ from gpuservd.hints.window import Window
 
 @dataclass
 class Thresholds:
-    """Every number a rule compares against; the defaults follow MISSION.md where it gives one."""
+    """Every number a rule compares against; the defaults are the field's rules of thumb (e.g. preemption pays when P99/P50 of lengths > 5)."""
 
     step_span_s: float = 30.0  # rules over step records look this far back
     event_span_s: float = 300.0  # rules over finished requests and events look this far back
     min_steps: int = 20  # fewer steps in the window: no verdict
-    # bandwidth_bound (O1)
+    # bandwidth_bound
     sm_util_low_pct: float = 50.0  # mean SM utilisation under this ...
     step_high_s: float = 0.05  # ... while the P50 step takes longer than this
     mem_bw_high_pct: float = 60.0  # and, when reported, memory-bandwidth utilisation at least this
-    # preemption_off_skewed (S7)
+    # preemption_off_skewed
     skew_ratio: float = 5.0  # P99/P50 of output lengths above this
     skew_min_requests: int = 20  # finished requests needed for a verdict
     skew_max_requests: int = 200  # the most recent ones only (the engine's auto_window)
@@ -41,25 +41,25 @@ class Thresholds:
     # swap_thrash
     thrash_span_s: float = 10.0  # swapped out again within this long after coming back in
     thrash_cycles: int = 2  # out -> in -> out counts as 1; at least this many per request (or requests)
-    # cache_hit_rate_low (M9)
+    # cache_hit_rate_low
     hit_rate_alert: float = 0.9  # the weight cache's own `hit_rate_alert` wins when reported
     hit_rate_min_lookups: int = 20
     # load_after_evict
     evict_reload_s: float = 60.0  # a load this soon after the same model's eviction ...
     burst_span_s: float = 10.0  # ... with at least burst_min_requests for it within this span of the load
     burst_min_requests: int = 4
-    # batch_past_plateau (S9)
+    # batch_past_plateau
     plateau_margin: float = 1.25  # decode batch P50 above plateau_batch * this
     # kv_quota_small
     kv_full_share: float = 0.9  # KV blocks used / total at or above this ...
     kv_full_steps_share: float = 0.5  # ... in this share of the window's steps (preemptions free blocks) ...
     kv_waiting_mean: float = 4.0  # ... while this many requests wait on average
-    # timeslice_overhead (G2)
+    # timeslice_overhead: switching should cost at most ~5% of the time (measured 3-5% at a 20 ms quantum)
     timeslice_overhead_share: float = 0.05
     timeslice_min_slices: int = 20
-    # sharing_contention (G4, G5)
+    # sharing_contention: isolation is judged on P99, never the mean
     contention_ratio: float = 2.0  # P99 step time with a neighbour stepping / P99 alone
-    # scheduler_overhead (S6)
+    # scheduler_overhead: the scheduler's own cost must stay below what it wins
     decision_share: float = 0.10  # scheduler decision time / step time above this
 
 

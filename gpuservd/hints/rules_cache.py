@@ -1,4 +1,4 @@
-"""Rules over the weight cache (M7-M9), fed by `weights/` through the daemon:
+"""Rules over the weight cache (hit rates, evictions, loads), fed by `weights/` through the daemon:
 
 - `status.weight_cache` (sampled once per evaluation): cumulative `hits` and
   `misses` per tier (`{"device": n, "host": n}`), `device.cache_size`; the
@@ -50,7 +50,7 @@ def _count(sample: dict, key: str, tier: str) -> int:
 
 
 def cache_hit_rate_low(w: Window, model: None, th: Thresholds) -> dict | None:
-    """M9: a tier's hit rate over the window is under its threshold."""
+    """A tier's hit rate over the window is under its threshold."""
     since = w.now - th.event_span_s
     samples = [s for s in w.weight_cache if s.get("hits") is not None and s.get("t", 0) >= since]
     if not samples:
@@ -78,7 +78,7 @@ def cache_hit_rate_low(w: Window, model: None, th: Thresholds) -> dict | None:
 
 
 def load_after_evict(w: Window, model: None, th: Thresholds) -> dict | None:
-    """M3/M7: a burst needed a model the cache had just evicted, so the burst waited on a load."""
+    """A burst needed a model the cache had just evicted, so the burst waited on a load."""
     events = w.recent_events(("model_unload", "model_evict", "model_load", "request_finished"), th.event_span_s)
     evicted_at: dict[str, float] = {}
     found = []
@@ -111,12 +111,12 @@ def _arrival(e: dict) -> float:
 
 RULES = [
     Rule("cache_hit_rate_low", "weight-cache tier hit rate under its threshold",
-         "the cache is too small for the set of models the traffic asks for (M9)",
+         "the cache is too small for the set of models the traffic asks for",
          "raise cache.cache_size to {suggested_cache_size} models: the last {num_requests} requests would hit "
          "{suggested_hit_rate} with it (the {tier} tier hits {hit_rate} < {threshold}), or enable prefetch",
          ("weight_cache", "request_finished"), cache_hit_rate_low, per_model=False),
     Rule("load_after_evict", "loads started during a burst for a model just evicted",
-         "the LRU evicted a model the traffic still needs, so a burst waits on a reload (M7)",
+         "the LRU evicted a model the traffic still needs, so a burst waits on a reload",
          "pin {model} (gpuserv models pin {model}) or enable prefetch; evicted {evicted_s_before} s before "
          "{num_requests} requests needed it",
          ("evictions", "request_finished"), load_after_evict, per_model=False),

@@ -20,7 +20,7 @@ from gpuservd.hints.window import Window, mean, pct, r3
 
 
 def bandwidth_bound(w: Window, model: str, th: Thresholds) -> dict | None:
-    """O1: SM utilisation low while steps are slow -> the SMs wait on memory."""
+    """SM utilisation low while steps are slow -> the SMs wait on memory."""
     def sm_of(r: dict):  # GPM's SM activity when the GPU has it: NVML's utilisation counts any kernel as busy
         return r.get("sm_active_pct") if r.get("sm_active_pct") is not None else r.get("sm_util_pct")
 
@@ -53,7 +53,7 @@ def device_errors(w: Window, model: None, th: Thresholds) -> dict | None:
 
 
 def timeslice_overhead(w: Window, model: None, th: Thresholds) -> dict | None:
-    """G2: switching between models that share an SM group eats more than 5% of the time."""
+    """Switching between models that share an SM group eats more than 5% of the time."""
     slices = w.recent_events("time_slice", th.step_span_s)
     if len(slices) < th.timeslice_min_slices:
         return None
@@ -74,7 +74,7 @@ def _overlaps(starts: list[float], ends: list[float], a: float, b: float) -> boo
 
 
 def sharing_contention(w: Window, model: str, th: Thresholds) -> dict | None:
-    """G4/G5: a latency-critical model's P99 step time is much worse while a neighbour steps at the same time."""
+    """A latency-critical model's P99 step time is much worse while a neighbour steps at the same time."""
     classes = {m: (s or {}).get("sharing_class") for m, s in w.models.items()}
     if any(c == "latency_critical" for c in classes.values()) and classes.get(model) != "latency_critical":
         return None  # classes are declared and this model is not the one to protect
@@ -109,11 +109,11 @@ RULES = [
          "the GPU is failing or was reset", "drain the device (gpuserv drain), check nvidia-smi -q and dmesg "
          "for Xid {last_xid}, restart once it is healthy", ("device_health",), device_errors, per_model=False),
     Rule("timeslice_overhead", "time-slice switching overhead above 5%",
-         "the quantum is too short for the models sharing an SM group (G2)",
+         "the quantum is too short for the models sharing an SM group",
          "raise the arbiter's quantum_ms (now {quantum_ms}, allowed 10-50); switching takes {overhead_share}",
          ("time_slices",), timeslice_overhead, per_model=False),
     Rule("sharing_contention", "a latency-critical model's P99 is unstable under sharing",
-         "bandwidth contention with the models that step at the same time (G4)",
+         "bandwidth contention with the models that step at the same time",
          "raise this model's class to latency_critical or throttle the neighbour ({neighbours}); "
          "P99 step {p99_shared_ms} ms shared vs {p99_alone_ms} ms alone",
          ("sharing", "steps"), sharing_contention),

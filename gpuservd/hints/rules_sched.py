@@ -16,7 +16,7 @@ def _preemption(w: Window, model: str) -> dict:
 
 
 def preemption_off_skewed(w: Window, model: str, th: Thresholds) -> dict | None:
-    """S7: output lengths are skewed (P99/P50 > 5) and preemption is off."""
+    """Output lengths are skewed (P99/P50 > 5) and preemption is off."""
     done = [e for e in w.recent_events("request_finished", th.event_span_s, model)
             if e.get("status", 200) == 200 and (e.get("num_output_tokens") or 0) >= 1]
     done = done[-th.skew_max_requests:]
@@ -98,7 +98,7 @@ def kv_quota_small(w: Window, model: str, th: Thresholds) -> dict | None:
 
 
 def scheduler_overhead(w: Window, model: str, th: Thresholds) -> dict | None:
-    """S6: the scheduler's decision takes a large share of each step."""
+    """The scheduler's decision takes a large share of each step."""
     steps = w.recent_steps(model, th.step_span_s)
     if len(steps) < th.min_steps:
         return None
@@ -113,7 +113,7 @@ def scheduler_overhead(w: Window, model: str, th: Thresholds) -> dict | None:
 
 
 def batch_past_plateau(w: Window, model: str, th: Thresholds) -> dict | None:
-    """S9: the decode batch runs past the size where the sweep found throughput stops growing."""
+    """The decode batch runs past the size where the sweep found throughput stops growing."""
     sweep = w.sweeps.get(model)
     if not sweep or not sweep.get("plateau_batch"):
         return None
@@ -140,7 +140,7 @@ def batch_past_plateau(w: Window, model: str, th: Thresholds) -> dict | None:
 
 RULES = [
     Rule("preemption_off_skewed", "output lengths are skewed (P99/P50 > 5) and preemption is off",
-         "long requests hold the batch while short ones queue behind them (S7)",
+         "long requests hold the batch while short ones queue behind them",
          "set preemption.mode to auto or on: P99/P50 of output lengths is {ratio} (> {threshold})",
          ("request_finished", "steps"), preemption_off_skewed),
     Rule("starvation", "a request is preempted again and again",
@@ -159,12 +159,12 @@ RULES = [
          "or limit admission (server.max_queued_per_model, tenant max_kv_blocks)",
          ("steps",), kv_quota_small),
     Rule("scheduler_overhead", "scheduler decision time is a large share of step time",
-         "the per-step decision (queue ordering, victim choice) costs more than it wins (S6)",
+         "the per-step decision (queue ordering, victim choice) costs more than it wins",
          "shorten the waiting queue (server.max_queued_per_model), use victim_policy newest or granularity "
          "request; decisions take {decision_share} of step time",
          ("steps",), scheduler_overhead),
     Rule("batch_past_plateau", "the decode batch runs past the throughput plateau",
-         "past the plateau a bigger batch adds latency to every request without adding throughput (S9)",
+         "past the plateau a bigger batch adds latency to every request without adding throughput",
          "lower scheduler.max_num_seqs to {recommended_decode_heavy} (decode-heavy) or "
          "{recommended_prefill_heavy} (prefill-heavy); plateau at batch {plateau_batch}",
          ("steps", "sweep"), batch_past_plateau),

@@ -1,24 +1,25 @@
-"""The arbiter: who may run on a shared device, and when (MISSION G2, G4, G5).
+"""The arbiter: who may run on a shared device, and when: time slices, bandwidth
+priority, and latency-critical models first (isolation is judged on P99, never the mean).
 
 Every model's engine thread asks before each step (`begin_step`), offers to give
 way between layers (`between_layers`) and says when it has nothing left to do
 (`idle`). Models in one SM group take turns; groups run side by side.
 
-Time slices (G2). A group is held by one model at a time for a quantum
+Time slices. A group is held by one model at a time for a quantum
 (`quantum_ms`, default 20). When the quantum is over and another model of the
 group waits, the holder gives way at its next layer boundary or step, and the
 next holder is picked by weighted fairness: the smallest virtual time, where a
 model's virtual time advances by its run time divided by its share. A holder
 alone in its group keeps the group without switching.
 
-Priority (G5). A latency-critical model that has used no more than its share
+Priority. A latency-critical model that has used no more than its share
 over the last ~5 s (an exponentially decayed average) goes first: it is picked
 before best-effort models and it cuts a best-effort holder's quantum short at
 the holder's next layer boundary, so it waits at most one layer of the other
 model, not a whole step. Above its share it takes turns like everyone else, so
 a best-effort model is never starved below its share.
 
-Bandwidth priority (G4). Memory bandwidth is shared even between partitions
+Bandwidth priority. Memory bandwidth is shared even between partitions
 (and between a CPU's cores). Every `throttle.interval_ms` the controller looks
 at the latency-critical models' decode steps (steps carrying prefill are long
 by nature and left out): their running time, the waits for the grant taken
@@ -72,7 +73,7 @@ class ModelShare:
     sharing_class: SharingClass
     step_target_s: float = 0.0  # 0 = learned
     domain: str = ""  # its memory bus (bandwidth_domain): pressure crosses no domain boundary
-    duty: float = 1.0  # G4: the share of time a best-effort model may issue steps
+    duty: float = 1.0  # bandwidth priority: the share of time a best-effort model may issue steps
     vtime: float = 0.0  # run seconds / share
     usage: float = 0.0  # decayed fraction of recent time holding the group
     usage_t: float = 0.0
@@ -347,7 +348,7 @@ class Arbiter:
             self._mark_overlap(m)
 
     def _throttle(self, m: ModelShare) -> None:
-        """G4: a best-effort model below full duty leaves the device idle between its steps."""
+        """Bandwidth priority: a best-effort model below full duty leaves the device idle between its steps."""
         if m.latency_critical or m.duty >= 1.0 or not self.config.bandwidth_priority or not m.last_step_s:
             return
         gap = m.last_step_s * (1 - m.duty) / m.duty - (self.clock() - m.last_step_end)
@@ -364,7 +365,7 @@ class Arbiter:
         time.sleep(gap)
 
     def _govern(self, now: float) -> None:
-        """G4: AIMD on best-effort duty cycles from latency-critical step times over the last interval, per
+        """Bandwidth priority: AIMD on best-effort duty cycles from latency-critical step times over the last interval, per
         bandwidth domain (a GPU's HBM; the host's memory bus for CPU slots)."""
         self._last_govern = now
         t = self.config.throttle
@@ -415,7 +416,7 @@ class Arbiter:
                              "quantum_ms": self.config.quantum_ms, **fields})
 
     def observe_readings(self, readings: dict | None) -> None:
-        """The device's memory-bandwidth use (NVML GPM on Hopper+; None elsewhere), for G4's controller."""
+        """The device's memory-bandwidth use (NVML GPM on Hopper+; None elsewhere), for the bandwidth-priority controller."""
         value = (readings or {}).get("mem_bw_util_pct")
         if value is not None:
             self._mem_bw = (self.clock(), float(value))

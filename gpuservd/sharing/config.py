@@ -1,12 +1,13 @@
-"""The `sharing:` section: how models that live on one device share it (MISSION G1-G5).
+"""The `sharing:` section: how models that live on one device share it: SM partitions,
+time slices, memory quotas and bandwidth priority.
 
     sharing:
       enabled: true              # the arbiter; false = naive co-location (every model steps when it likes)
-      backend: auto              # auto | green_context | mps | none  (SM partition enforcement, G1)
+      backend: auto              # auto | green_context | mps | none  (SM partition enforcement)
       hardware: auto             # auto (the device's own numbers) | a profile in profiles/hardware/
-      quantum_ms: 20             # time slice among models sharing an SM group (G2), 10-50
-      headroom: 0.2              # memory quota = (weights + peak KV + activations + overhead) x 1.2 (G3)
-      bandwidth_priority: true   # throttle best-effort models while a latency-critical one is slow (G4)
+      quantum_ms: 20             # time slice among models sharing an SM group, 10-50
+      headroom: 0.2              # memory quota = (weights + peak KV + activations + overhead) x 1.2
+      bandwidth_priority: true   # throttle best-effort models while a latency-critical one is slow
       throttle: {increase: 0.05, decrease: 0.5, min_duty: 0.05, interval_ms: 200, mem_bw_threshold_pct: 90}
       models:
         chat:       {share: 0.4, class: latency_critical, step_target_ms: 50}
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpuservd.config import _fill, parse_bytes
 from gpuservd.errors import Choice, UserError
 from gpuservd.gpu.backends import Backend
 
@@ -41,7 +43,7 @@ class ModelSharing:
     group: str = ""  # models naming the same group share one SM partition ("" = a partition of its own)
     step_target_ms: float = 0.0  # latency_critical: bandwidth priority acts when its steps pass this
     # (0 = 1.5x its own median step time while it ran alone, learned by the arbiter)
-    weights_bytes: int | None = None  # quota terms (G3); None = the model's weights in the compute dtype
+    weights_bytes: int | None = None  # memory quota terms; None = the model's weights in the compute dtype
     kv_peak_bytes: int | None = None  # None = what the loaded engine has (its KV pool)
     activation_bytes: int | None = None  # None = an estimate from the model's shape and token budget
     overhead_bytes: int | None = None  # None = the backend's fixed cost (CUDA context ~ 500 MiB; CPU 0)
@@ -50,7 +52,8 @@ class ModelSharing:
 
 @dataclass
 class ThrottleConfig:
-    """Additive increase, multiplicative decrease of best-effort models' duty cycle (G4)."""
+    """Additive increase, multiplicative decrease of best-effort models' duty cycle
+    (bandwidth priority: HBM bandwidth is shared even between SM partitions)."""
 
     increase: float = 0.05  # duty cycle gained per calm interval
     decrease: float = 0.5  # duty cycle multiplied by this when a latency-critical model is slow
@@ -114,8 +117,6 @@ _MODEL_KEYS = {"share", "class", "group", "step_target_ms", "weights_bytes", "kv
 
 def sharing_from_dict(data: dict | None, where: str) -> SharingConfig:
     """Parse a `sharing:` mapping (unknown keys are errors, like every other section)."""
-    from gpuservd.config import _fill, parse_bytes
-
     cfg = SharingConfig()
     raw = dict(data or {})
     if not isinstance(data or {}, dict):

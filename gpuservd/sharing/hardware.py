@@ -1,4 +1,4 @@
-"""Hardware profiles: what the SM partition planner (G1) and the memory quotas (G3) plan against.
+"""Hardware profiles: what the SM partition planner and the memory quotas plan against.
 
 A profile is a YAML file in profiles/hardware/ (also looked up under
 $GPUSERV_PROFILES/hardware and /etc/gpuserv/profiles/hardware, which win):
@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpuservd.config import parse_bytes, read_yaml_file
 from gpuservd.errors import UserError
 
 SOURCE_PROFILES = Path(__file__).resolve().parent.parent.parent / "profiles" / "hardware"
@@ -126,8 +127,6 @@ def list_hardware(profiles_dir=None) -> list[str]:
 
 def hardware_from_dict(data, where: str) -> Hardware:
     """Build a Hardware from a profile mapping; unknown keys and bad values are UserErrors."""
-    from gpuservd.config import parse_bytes
-
     if not isinstance(data, dict):
         raise UserError(f"{where}: a hardware profile must be a mapping "
                         "(name, num_sms, compute_capability, memory, ...)")
@@ -161,8 +160,6 @@ def hardware_from_dict(data, where: str) -> Hardware:
 
 def load_hardware(name: str, profiles_dir=None) -> Hardware:
     """A profile by name (profiles/hardware/<name>.yaml); an unknown name lists the known ones."""
-    from gpuservd.config import read_yaml_file
-
     paths = _profile_paths(profiles_dir)
     key = str(name).strip().lower()
     if key not in paths:

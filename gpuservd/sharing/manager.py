@@ -1,4 +1,5 @@
-"""The daemon's side of sharing one device between models (MISSION G1-G5).
+"""The daemon's side of sharing one device between models: partitions, time slices,
+memory quotas and bandwidth priority.
 
 One SharingManager per daemon holds what the other pieces compute:
   - the partition backend (gpu/backends.py: green contexts, MPS or none) and
@@ -6,7 +7,7 @@ One SharingManager per daemon holds what the other pieces compute:
     the set of loaded models changes;
   - the arbiter (sharing/arbiter.py): time slices and bandwidth priority, one
     registration per loaded model;
-  - memory quotas applied to each engine's KV pool (G3): a model over its quota
+  - memory quotas applied to each engine's KV pool: a model over its quota
     moves its own requests out (the scheduler's `quota` preemptions), never
     another model's;
   - the device readings (gpu/readings.py), sampled once a second for status
@@ -24,10 +25,10 @@ Groups: with an enforcing backend each SM group is a partition of its own and
 the models in it take turns; without one nothing keeps partitions apart, so
 every model is in one group, `device`, and the whole device is time-sliced.
 
-Several devices (M8, `engine.devices`): groups are per device, so models on
-different devices never take turns with each other: the time-sliced group is
-the device's name (`cpu:1`, `cuda:0`) and an enforcing backend's SM group `g`
-becomes `cuda:0/g`. With one device the names stay `device` and `g`. The plan
+Several devices (`engine.devices`; a request goes to the device that holds its
+model): groups are per device, so models on different devices never take turns
+with each other: the time-sliced group is the device's name (`cpu:1`, `cuda:0`)
+and an enforcing backend's SM group `g` becomes `cuda:0/g`. With one device the names stay `device` and `g`. The plan
 is made per device (each device's models against its own memory) and merged
 (`merge_plans`). Not yet per device: the SM partitions (made on engine.device)
 and the bandwidth throttle (one arbiter sees every device's models; right for
@@ -36,9 +37,17 @@ CPU slots, which share the memory bus, not for separate GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from functools import partial
 
+from gpuservd.engine_calls import set_kv_limit
 from gpuservd.errors import UserError
+from gpuservd.gpu.backends import MpsBackend, choose_backend
+from gpuservd.gpu.readings import DeviceReader, cuda_index
+from gpuservd.sharing.arbiter import Arbiter
+from gpuservd.sharing.hardware import hardware_from_device, load_hardware
+from gpuservd.sharing.planner import Plan, plan
 
 log = logging.getLogger("gpuservd.sharing")
 SHARED_GROUP = "device"
@@ -47,10 +56,6 @@ SHARED_GROUP = "device"
 def merge_plans(plans: dict):
     """Per-device plans (device -> Plan) as one: groups `device/group`, quotas and fits side by side,
     memory the devices' sum, warnings prefixed with their device."""
-    import dataclasses
-
-    from gpuservd.sharing.planner import Plan
-
     ps = list(plans.values())
     if len(ps) == 1 and not next(iter(plans)):
         return ps[0]
@@ -69,10 +74,6 @@ def bandwidth_domain(device: str) -> str:
 
 class SharingManager:
     def __init__(self, config, device: dict, reader=None):
-        from gpuservd.gpu.backends import choose_backend
-        from gpuservd.gpu.readings import DeviceReader
-        from gpuservd.sharing.arbiter import Arbiter
-
         self.config = config  # the DaemonConfig
         self.device = device
         dev = config.engine.device
@@ -88,11 +89,9 @@ class SharingManager:
         self.reader = reader if reader is not None else DeviceReader(dev)
         self.readings: dict | None = None
         self.multi_device = len(config.engine.device_names()) > 1
-        self.device_of: dict[str, str] = {}  # model -> its device (M8)
+        self.device_of: dict[str, str] = {}  # model -> the device it was routed to
 
     def _hardware(self):
-        from gpuservd.sharing.hardware import hardware_from_device, load_hardware
-
         sc, profiles = self.config.sharing, self.config.server.profiles_path()
         if sc.hardware != "auto":
             return load_hardware(sc.hardware, profiles)
@@ -130,8 +129,6 @@ class SharingManager:
             self.arbiter.reconfigure(sc, sc.shares(self.names))
 
     def _plan_for(self, names: list[str]):
-        from gpuservd.sharing.planner import plan
-
         return plan(self.config.sharing, self.hardware, names, engine=self.config.engine,
                     memory_bytes=None if self.hardware else self.config.engine.device_memory_bytes)
 
@@ -142,7 +139,6 @@ class SharingManager:
         Changing the groups of running models needs a restart: their streams live on the contexts."""
         if not self.backend.enforced:
             return {}
-        from gpuservd.sharing.planner import plan
 
         every = sorted(set(names) | set(self.config.sharing.models))
         try:
@@ -190,8 +186,6 @@ class SharingManager:
     def worker_env(self, name: str) -> dict[str, str]:
         """The environment `name`'s worker process adds to the daemon's: under the mps backend its SM
         percentage (from its plan group), memory limit (its quota) and the control daemon's pipe; {} else."""
-        from gpuservd.gpu.backends import MpsBackend
-
         if not isinstance(self.backend, MpsBackend):
             return {}
         group = self.plan.group_of(name) if self.plan is not None else None
@@ -200,9 +194,8 @@ class SharingManager:
         if group is None or not total:
             why = self.plan_error or "no SM plan for it (sharing.hardware names no GPU)"
             raise UserError(f"model {name}: no MPS settings for its worker process: {why}")
-        from gpuservd.gpu.readings import cuda_index
 
-        device = self.device_of.get(name)  # several devices (M8): the GPU the model was routed to
+        device = self.device_of.get(name)  # with several devices: the GPU the model was routed to
         return self.backend.worker_env(name, group.num_sms, total, quota.quota if quota is not None else None,
                                        cuda_index(device) if device else None)
 
@@ -255,9 +248,6 @@ class SharingManager:
             setattr(sharing, k, getattr(old, k))  # these keep their running values until a restart
         self.config.sharing = sharing
         self.replan(self.names)
-        from functools import partial
-
-        from gpuservd.engine_calls import set_kv_limit
 
         for name in list(self.pools):
             self.kv_caps[name] = cap = self.kv_cap(name)

@@ -1,9 +1,9 @@
-"""The sharing plan: SM partitions per model group (MISSION G1) and per-model memory quotas (G3).
+"""The sharing plan: SM partitions per model group and per-model memory quotas.
 
 Pure Python and no torch, so `gpuserv plan` answers at once and the daemon can recompute the plan
 whenever its set of models changes.
 
-SM partitions (G1)
+SM partitions
 ------------------
 Each model's compute share (SharingConfig.shares) becomes SMs; models naming the same `group`
 share one partition and their shares add up. For a group with share s on a device of N SMs:
@@ -17,7 +17,7 @@ share one partition and their shares add up. For a group with share s on a devic
 4. if the rounded groups add up to more than N, take SMs back one alignment step at a time from the
    group rounded up the most (largest num_sms - raw_sms; ties: the larger group, then the one
    listed last), never below the minimum;
-5. what is left is the spare: the elastic buffer (G1), not handed to anyone.
+5. what is left is the spare: the elastic buffer, not handed to anyone.
 
 The seed's example comes out exactly: A100, 108 SMs, 40/35/25% -> ideal 43.2/37.8/27 ->
 40/40/24 SMs + 4 spare.
@@ -27,7 +27,7 @@ UserError names the numbers and the way out (a shared `group`). A group with no 
 listed shares already add up to 1) still gets the minimum partition, with a warning, since a model
 on the device must run somewhere.
 
-Memory quotas (G3)
+Memory quotas
 ------------------
 quota = need x (1 + headroom), need = weights + peak KV + peak activations + framework overhead.
 Each term comes from the model's sharing settings when given (weights_bytes, kv_peak_bytes,
@@ -55,7 +55,8 @@ from gpuservd.runner.model_config import load_arch
 from gpuservd.sharing.hardware import Hardware, SmGranularity
 from gpuservd.store.store import ModelStore
 
-RECOMMENDED_STEP = 8  # G1: partitions are recommended in multiples of 8 SMs
+RECOMMENDED_STEP = 8  # partitions are recommended in multiples of 8 SMs (Hopper's alignment; a plan
+# in such steps fits every generation)
 CUDA_OVERHEAD_BYTES = 512 * 1024**2  # per model: CUDA context share, cuBLAS workspace, allocator slack
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -127,7 +128,7 @@ def allocate_sms(shares: dict[str, float], num_sms: int, gran: SmGranularity,
     return alloc, warnings
 
 
-# ---- memory quotas (G3) -----------------------------------------------------------------------
+# ---- memory quotas -----------------------------------------------------------------------------
 
 def kv_bytes_per_token(arch, dtype_bytes: int) -> int:
     """K and V of every layer for one token."""

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
 
 from gpuservd.errors import UserError
 from gpuservd.store import gguf_tokenizer
@@ -124,8 +127,6 @@ def _generation_config(config: dict) -> dict:
 
 
 def _dequantized(tensor) -> np.ndarray:
-    from gguf.quants import dequantize
-
     # GGUF lists dims innermost first; HF wants [out, in].
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
@@ -138,9 +139,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, with_tokenizer: bool = True,
     `with_tokenizer=False` skips the tokenizer (for files that carry none); `progress`
     is called with one line per stage.
     """
-    from gguf import GGUFReader
-    from safetensors.numpy import save_file
-
     say = progress or (lambda line: None)
     start = time.perf_counter()
     try:

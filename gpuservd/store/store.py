@@ -50,7 +50,7 @@ class ModelInfo:
     source: str  # where it came from (gpuserv.yaml), "unknown" for hand-placed dirs
     created: str = ""  # ISO time of the pull/import (gpuserv.yaml), "" when unknown
     error: str | None = None  # set by list() for a damaged entry; the other fields are then partial
-    base: str | None = None  # a variant's base model (M6); None for a full model
+    base: str | None = None  # a variant's base model (its weights shared); None for a full model
     variant_kind: str | None = None  # lora | delta for a variant; None for a full model
 
 
@@ -295,7 +295,7 @@ class ModelStore:
         return self.info(name)
 
     def derive(self, name: str, base: str, adapter: Path, overwrite: bool = False) -> ModelInfo:
-        """Register a variant (M6): `base` plus a LoRA adapter or full-rank delta from `adapter`,
+        """Register a variant: `base` plus a LoRA adapter or full-rank delta from `adapter`,
         validated against the base's shapes; only the delta's files are copied."""
         validate_name(name)
         if name == base:

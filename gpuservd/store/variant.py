@@ -1,4 +1,5 @@
-"""Variant entries (M6): a model declared as a base plus a delta, checked without torch.
+"""Variant entries: a model declared as a base plus a delta, checked without torch (a fine-tuned
+variant loads only its difference from the base it shares).
 
 A variant is a store entry whose `gpuserv.yaml` says `kind: lora` or `kind: delta`
 and names its `base` (a full model in the same store). Its directory holds only

@@ -1,1 +1,1 @@
-"""The tiered weight cache (MISSION M1-M9): device / host / disk tiers, compression, residency."""
+"""The tiered weight cache: device / host / disk tiers, compression, residency, variants, prefetch."""

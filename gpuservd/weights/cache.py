@@ -1,4 +1,4 @@
-"""The weight pool over three tiers (M1, M7, M9): which model is where, and who leaves.
+"""The weight pool over three tiers (device, host, disk): which model is where, and who leaves.
 
 - device: compute-ready weights of the models whose engines run (the CPU's device
   budget, or GPU memory); at most `cache_size` models and `device_bytes` bytes.
@@ -10,7 +10,7 @@ Mechanism and bookkeeping only: the daemon asks `plan_device_load` whom to evict
 stops those engines itself and reports back with `device_loaded` / `device_evicted`.
 Thread-safe: host copies are built off the event loop.
 
-Shared bases (M6): every full model's ModelWeights are registered here when built
+Shared bases (variants load only their delta): every full model's ModelWeights are registered here when built
 (`shared_weights`), so a variant's engine reads the very same object as its
 base's engine. A device entry counts its own bytes once: a base's under the
 base, a variant's delta under the variant. A base whose engine leaves while
@@ -19,11 +19,11 @@ variants still use its weights stays on the device as a held entry
 variant; `plan_device_load` frees a base's bytes only when it and every variant
 over it leave.
 
-Several devices (M8, `engine.devices`): one host tier, shared, and one device
+Several devices (`engine.devices`, routed by where a model is): one host tier, shared, and one device
 tier per device, each with the same budget (`device_bytes` / cache_size). A
 model is resident on at most one device at a time (`placement`; replicas are a
-later step); `self.device` still maps every resident model to its entry, so
-single-device callers see what they saw before. A variant runs where its base's
+later step); `self.device` maps every resident model to its entry whatever its device, so
+single-device callers need not know about placement. A variant runs where its base's
 weights are. `plan_device_load(..., device=D)` plans D's tier alone;
 `plan_options` plans every device at once for the router
 (gpuservd/routing.py `choose_device`). A load in progress reserves its bytes on
@@ -81,10 +81,10 @@ class WeightCache:
         self.misses = {t: 0 for t in TIERS}
         self.bytes_loaded = {"host": 0, "disk": 0}  # weight bytes read from each tier by loads
         self._lock = threading.Lock()
-        self.weights: dict[str, object] = {}  # model -> its ModelWeights, shared with its variants (M6)
+        self.weights: dict[str, object] = {}  # model -> its ModelWeights, shared with its variants
         self._build_locks: dict[str, threading.Lock] = {}
 
-    # -- lookups (M9) -----------------------------------------------------
+    # -- lookups (hit rates) -----------------------------------------------------
     def touch(self, model: str) -> bool:
         """A request for `model`: counts a device hit or miss; True if it is on the device."""
         with self._lock:
@@ -111,7 +111,7 @@ class WeightCache:
         n = self.hits[tier] + self.misses[tier]
         return self.hits[tier] / n if n else None
 
-    # -- the device tier (M7) ---------------------------------------------
+    # -- the device tier (LRU) ---------------------------------------------
     def device_of(self, model: str) -> str | None:
         """The device that holds model's weights (its engine's, or held for its variants), or None."""
         with self._lock:
@@ -291,7 +291,7 @@ class WeightCache:
             return {
                 "device": {"budget_bytes": self.device_budget, "used_bytes": sum(e.nbytes for e in self.device.values()),
                            "models": sorted(self.device), "cache_size": self.config.cache_size,
-                           # M6: base -> the variants on the device that share its weights
+                           # base -> the variants on the device that share its weights
                            "shared_bases": {m: sorted(e.holders) for m, e in sorted(self.device.items()) if e.holders},
                            "held_bases": sorted(m for m, e in self.device.items() if not e.engine)},
                 "host": {"budget_bytes": self.config.host_bytes,

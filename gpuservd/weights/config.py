@@ -9,7 +9,7 @@ from gpuservd.errors import UserError
 
 @dataclass
 class CacheConfig:
-    """Tiers, loading and eviction for every model the daemon serves (M1-M9)."""
+    """Tiers, loading and eviction for every model the daemon serves."""
 
     device_bytes: int | None = None  # device tier budget for weights; None = engine.device_memory_bytes
     host_bytes: int = 2 * 1024**3  # host tier budget (RAM; pinned on CUDA)
@@ -22,7 +22,7 @@ class CacheConfig:
     load_on_demand: bool = True  # a request for a store model that is not loaded loads it
     load_timeout_s: float = 300.0  # a request waits this long for its model's load
     hit_rate_alert: float = 0.9  # below this device-tier hit rate an event suggests a bigger cache
-    prefetch: bool = False  # warm the device tier ahead of demand from learned model-to-model transitions (M3)
+    prefetch: bool = False  # warm the device tier ahead of demand from learned model-to-model transitions
     prefetch_min_prob: float = 0.2  # prefetch a model only when it follows the current one this often
 
     def validate(self) -> None:

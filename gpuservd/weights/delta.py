@@ -1,14 +1,16 @@
-"""Loading a variant over a resident base (M6), and making test adapters.
+"""Loading a variant over a resident base, and making test adapters.
 
-Design (the decision M6 asks for): a base's weights are one `ModelWeights` object
-in memory, shared *by reference* between the base's engine and the engines of its
-variants; the device tier counts its bytes once (under the base's name), and each
-variant's entry counts only its delta. A variant's delta is applied at run time,
-unmerged (runner/variant_weights.py), because merging would need a private copy of every
-targeted base matrix (the shared one must not change: other models read it). So loading a variant whose base is resident reads only the
-adapter file: `VariantSource` never opens the base's safetensors. When only the
-variant is asked for, the daemon loads the base's weights first as a hidden
-dependency (device entry without an engine of its own), see weights/sources.py.
+A fine-tuned variant loads only its difference from its base. A base's weights
+are one `ModelWeights` object in memory, shared *by reference* between the
+base's engine and the engines of its variants; the device tier counts its bytes
+once (under the base's name), and each variant's entry counts only its delta. A
+variant's delta is applied at run time, unmerged (runner/variant_weights.py),
+because merging would need a private copy of every targeted base matrix (the
+shared one must not change: other models read it). So loading a variant whose
+base is resident reads only the adapter file: `VariantSource` never opens the
+base's safetensors. When only the variant is asked for, the daemon loads the
+base's weights first as a hidden dependency (device entry without an engine of
+its own), see weights/sources.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from gpuservd.errors import StoreCorrupt, UserError
+from gpuservd.runner.load import load_weights
 from gpuservd.runner.variant_weights import DeltaTerm, FullPart, LoraPart, VariantWeights
 from gpuservd.runner.linear import onednn_available
 from gpuservd.runner.model_config import ModelArch
@@ -66,8 +70,6 @@ class SharedSource:
         self.share = share
 
     def build_weights(self, arch, dtype, device, initial_layers=None, on_layer=None):
-        from gpuservd.runner.load import load_weights
-
         return self.share(lambda: load_weights(self.source, arch, dtype, device, initial_layers=initial_layers,
                                                on_layer=on_layer))
 
@@ -132,8 +134,6 @@ def make_adapter(base_dir: Path, out: Path, kind: str = "lora", rank: int = 8, a
 
     Unlike PEFT's initialisation (B = 0, a no-op until trained), B is random (N(0, std)) so the
     variant really differs from its base; A is PEFT's kaiming-uniform range, U(+-1/sqrt(in))."""
-    from safetensors.torch import save_file
-
     if kind not in vspec.KINDS:
         raise UserError(f"--kind must be one of {', '.join(vspec.KINDS)}, got {kind!r}")
     bad = [t for t in targets if t not in vspec.PROJECTIONS]

@@ -1,4 +1,5 @@
-"""INT8 weights on disk (M4): a compressed copy of a store model, next to its safetensors.
+"""INT8 weights on disk: a compressed copy of a store model, next to its safetensors (a quarter
+of fp32's bytes to read and to move to the device).
 
 `<model dir>/int8/model.safetensors` holds each matrix as `<name>.q` (int8) and
 `<name>.scale` (fp32, per output row) and every other tensor unchanged. It is

@@ -1,4 +1,4 @@
-"""Prefetch (M3): predict the next model from the request history and warm it ahead of demand.
+"""Prefetch: predict the next model from the request history and warm it ahead of demand.
 
 The predictor keeps, per model, decayed counts of which model was asked for
 next (transitions) and a decayed request rate. After a request for A, the
@@ -75,7 +75,8 @@ class Predictor:
 
 
 class HitRateWatch:
-    """The device hit rate over the last `window` model lookups, and when it calls for a sizing alert (M9).
+    """The device hit rate over the last `window` model lookups, and when it calls for a sizing alert
+    (a cache sized for the traffic's working set keeps the hit rate high).
 
     `observe` returns the alert (a `cache_hit_rate_low` event's fields) once when the rate falls under
     `alert_below`, and again only after it recovered first; None otherwise."""

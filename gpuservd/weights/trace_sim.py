@@ -1,4 +1,4 @@
-"""Hit rates of the weight cache's own policy on a request trace (M3, M7, M9), against Belady.
+"""Hit rates of the weight cache's own policy on a request trace (LRU, prefetch, hit rates), against Belady.
 
 `replay` drives the real `WeightCache` (LRU eviction, the same `plan_device_load`
 the daemon uses) and the real `Predictor` with a trace of model names; loads are
