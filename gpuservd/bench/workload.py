@@ -258,7 +258,7 @@ def load_workload(path: str | Path) -> Workload:
     if not path.is_file():
         raise UserError(f"workload file not found: {path}")
     if path.suffix == ".jsonl":  # a bare trace (e.g. from `gpuserv record`): replay it as recorded
-        from gpuservd.bench.record import trace_workload
+        from gpuservd.bench.record import trace_workload  # here: record.py imports this module
 
         wl = trace_workload(path)
         wl._read_trace()
