@@ -157,3 +157,64 @@ def test_stop_ids_are_checked_in_the_step(tiny_model_dir, ops):
                 if o.finished:
                     into[o.request_id + ":reason"] = o.finish_reason
     assert got == want and all(want[f"r{i}:reason"].value == "stop" for i in range(3))
+
+
+def rerun_record(fn, pool):
+    """A CPU stand-in for CUDA graph capture: the first run's outputs are the static outputs, and each
+    replay runs fn again and copies into them (a real replay writes the same memory)."""
+    first = fn()
+
+    def copy_into(dst, src):
+        if isinstance(dst, torch.Tensor):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        elif isinstance(dst, tuple):
+            for d, s in zip(dst, src):
+                copy_into(d, s)
+        else:  # a LayerCheckpoint between segments
+            copy_into(dst.hidden, src.hidden)
+
+    def replay():
+        with torch.inference_mode():  # the forward's outputs are inference tensors
+            copy_into(first, fn())
+
+    return replay, first
+
+
+def test_graph_control_flow_with_a_stand_in_capture(tiny_model_dir, ops, caplog):
+    """Everything around the capture, on a CPU: one replay per bucket reading the persistent inputs,
+    greedy ids and stop verdicts from the static outputs, per-layer segments with the arbiter's yield
+    between them, and a failed capture falling back to eager with the reason in the status."""
+    from gpuservd.runner.cuda_graphs import DecodeGraphs
+
+    ps = prompts(n=5, length=5)
+    params = SamplingParams(max_tokens=8, **PARAMS)
+    want = engine(tiny_model_dir).generate(ps, params)
+    eng = _with_step(tiny_model_dir, [1, 2, 4, 8])
+    runner = eng.runner
+    runner.decode_step.graphs = DecodeGraphs(runner.decode_step, record=rerun_record)
+    runner.capture_graphs()
+    assert runner.decode_status()["captured"] == [1, 2, 4, 8]
+    assert eng.generate(ps, params) == want
+    assert runner.decode_step.last_path == "graph"
+    calls = []
+    eng.yield_point = calls.append  # the arbiter: segments are captured now
+    st = runner.decode_status()
+    assert st["segmented"] and st["path"] == "cuda_graphs"
+    assert eng.generate(ps, params) == want
+    layers = runner.arch.num_layers
+    assert calls and set(calls) == set(range(layers))  # prefill steps yield too; decode between segments
+    decode_steps = sum(1 for r in eng.telemetry.recent() if r.num_prefill_tokens == 0 and r.num_decode_tokens)
+    assert calls.count(0) >= decode_steps  # each decode step replayed its segments with a yield between
+
+    def broken(fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eng2 = _with_step(tiny_model_dir, [2])
+    eng2.runner.decode_step.graphs = DecodeGraphs(eng2.runner.decode_step, record=broken)
+    with caplog.at_level("WARNING"):
+        eng2.runner.capture_graphs()
+    st = eng2.decode_status()
+    assert st["path"] == "fixed_shape_eager" and "capture failed (RuntimeError: operation not permitted" in st["reason"]
+    assert "decode steps run the fixed-shape step eagerly" in caplog.text
+    assert eng2.generate(ps, params) == want

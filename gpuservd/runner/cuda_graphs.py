@@ -81,14 +81,28 @@ def disabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-class DecodeGraphs:
-    """The captured graphs of one DecodeStep (a CUDA device), per bucket."""
+def cuda_record(fn, pool):
+    """Capture fn()'s kernels as one CUDA graph in `pool`; (replay, fn's outputs as static tensors)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return g.replay, out
 
-    def __init__(self, step):
+
+class DecodeGraphs:
+    """The captured graphs of one DecodeStep (a CUDA device), per bucket.
+
+    record(fn, pool) -> (replay, outputs) captures; the default is CUDA's. Tests on a CPU pass a
+    stand-in that re-runs fn and copies into the first outputs, to check everything around the
+    capture (buckets, segments, yields, the static outputs read back) without a GPU."""
+
+    def __init__(self, step, record=None):
         self.step = step
+        self.cuda = record is None
+        self.record = record or cuda_record
         self.pool = None  # the memory pool every graph of this engine shares
-        self._whole: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self._segments: dict[int, list[tuple[torch.cuda.CUDAGraph, object]]] = {}
+        self._whole: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}  # replay, logits, chosen
+        self._segments: dict[int, list[tuple[object, object]]] = {}  # replay, outputs; per layer
         self.capture_s = 0.0
 
     def has(self, bucket: int, segmented: bool = False) -> bool:
@@ -118,32 +132,40 @@ class DecodeGraphs:
         mid_layer, model.mid_layer = model.mid_layer, None  # a Python yield would run at capture only
         try:
             self._reset_inputs()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for b in sorted(sizes, reverse=True):
-                    self.step.forward(b)  # warm-up: compiles and allocator state, off the graph
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            if self.pool is None:
+            self._warm_up(sizes)
+            if self.pool is None and self.cuda:
                 self.pool = torch.cuda.graph_pool_handle()
             for b in sorted(sizes, reverse=True):
                 if segmented:
                     self._segments[b] = self._capture_segments(b)
                 else:
                     self._whole[b] = self._capture_whole(b)
-            torch.cuda.synchronize()
+            if self.cuda:
+                torch.cuda.synchronize()
         finally:
             model.mid_layer = mid_layer
         took = time.perf_counter() - t0
         self.capture_s += took
         return took
 
+    def _warm_up(self, sizes) -> None:
+        """One eager run per bucket off the graph (Triton compiles, cuBLAS picks, the allocator settles),
+        on a side stream as capture requires."""
+        if not self.cuda:
+            for b in sizes:
+                self.step.forward(b)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in sorted(sizes, reverse=True):
+                self.step.forward(b)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
     def _capture_whole(self, b: int):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            logits, chosen = self.step.forward_and_choose(b)
-        return g, logits, chosen
+        replay, (logits, chosen) = self.record(lambda: self.step.forward_and_choose(b), self.pool)
+        return replay, logits, chosen
 
     def _capture_segments(self, b: int):
         """One graph per layer: [embed + layer 0], [layer 1], ..., [layer L-1 + LM head]; each segment
@@ -152,31 +174,31 @@ class DecodeGraphs:
         num_layers = step.model.arch.num_layers
         segments, ckpt = [], None
         for layer in range(num_layers):
-            g = torch.cuda.CUDAGraph()
             last = layer == num_layers - 1
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+
+            def segment(ckpt=ckpt, layer=layer, last=last):
                 out = step.model.forward(step.batch(b), step.cache.layer, resume=ckpt,
-                                         suspend=None if last else (lambda i, stop=layer: i == stop))
-                if last:
-                    out = (out, step.choose(out))
-            if not last:
-                assert isinstance(out, LayerCheckpoint)
-            segments.append((g, out))
-            ckpt = out if not last else None
+                                         suspend=None if last else (lambda i: i == layer))
+                return (out, step.choose(out)) if last else out
+
+            replay, out = self.record(segment, self.pool)
+            if not last and not isinstance(out, LayerCheckpoint):
+                raise RuntimeError(f"segment {layer} did not stop after its layer")
+            segments.append((replay, out))
+            ckpt = out
         return segments
 
     def replay(self, bucket: int, between=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay a bucket; (logits [bucket, V], chosen [2, bucket]: greedy ids, stop verdicts) in static
-        buffers. With `between`
-        (the arbiter's yield point) the per-layer segments replay with the yield in between (the
-        caller checks has(bucket, segmented=True) first)."""
+        buffers. With `between` (the arbiter's yield point) the per-layer segments replay with the
+        yield in between (the caller checks has(bucket, segmented=True) first)."""
         if between is None:
-            g, logits, chosen = self._whole[bucket]
-            g.replay()
+            replay, logits, chosen = self._whole[bucket]
+            replay()
             return logits, chosen
         segments = self._segments[bucket]
-        for layer, (g, _) in enumerate(segments):
-            g.replay()
+        for layer, (replay, _) in enumerate(segments):
+            replay()
             if layer < len(segments) - 1:
                 between(layer)
         return segments[-1][1]
