@@ -156,6 +156,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.4  # of device_memory_bytes minus weights
     max_model_len: int | None = None  # context limit; None = the model's (and its sliding window)
     telemetry_ring_size: int = 4096  # per-step records kept in memory
+    prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (kv_cache/prefix_cache.py)
     isolation: str = "thread"  # the daemon's: thread (an engine thread of its process) | process (an engine
     # worker process per model: fault isolation, and what MPS confines); sharing.backend mps implies process
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -176,6 +177,8 @@ class EngineConfig:
             raise UserError(f"engine.isolation must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise UserError(f"engine.block_size must be a power of two, got {self.block_size}")
+        if not isinstance(self.prefix_caching, bool):
+            raise UserError(f"engine.prefix_caching must be true or false, got {self.prefix_caching!r}")
         if not (0.0 < self.kv_cache_fraction <= 1.0):
             raise UserError(f"engine.kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not (self.cuda_graphs.enabled is None or isinstance(self.cuda_graphs.enabled, bool)):

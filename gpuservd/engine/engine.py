@@ -72,8 +72,12 @@ class LLMEngine:
         self.host_pool = HostKVPool(cache.shape, config.preemption.swap_space_bytes, pin=cache.kv.is_cuda)
         self.swapper = Swapper(cache, self.host_pool)
         layout = KVLayout(cache.shape.num_layers, cache.shape.bytes_per_block)
+        # The prefix cache's hashes are seeded with what the KV depends on: the weights (a variant's
+        # name differs from its base's) and the dtype they compute in.
+        namespace = f"{model_name}\0{model_dir}\0{config.dtype}"
         self.scheduler = Scheduler(config.scheduler, self.pool, config.block_size, config.preemption,
-                                   host_pool=self.host_pool, layout=layout)
+                                   host_pool=self.host_pool, layout=layout, prefix_caching=config.prefix_caching,
+                                   namespace=namespace)
         # The planner prices swaps with this link's measured bandwidth from the start. On CUDA the pinned
         # pool is still being allocated beside the load: there the first swap (assumed the cheaper kind
         # until measured) measures the link instead, through its CUDA events.
@@ -220,6 +224,19 @@ class LLMEngine:
         """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why."""
         return self.runner.decode_status()
 
+    def prefix_cache_status(self) -> dict:
+        """Prefix caching: on or off, what it found (tokens, as vLLM counts them) and what it holds."""
+        kv = self.scheduler.kv
+        st = kv.prefix.stats
+        return {"enabled": kv.prefix.enabled, "query_tokens": st.num_query_tokens, "hit_tokens": st.num_hit_tokens,
+                "hit_rate": round(st.num_hit_tokens / st.num_query_tokens, 4) if st.num_query_tokens else 0.0,
+                "repeat_tokens": st.num_repeat_tokens, "cached_blocks": self.pool.num_cached,
+                "evicted_blocks": self.pool.num_evicted, "resets": st.num_resets}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache (requests keep the blocks they hold); returns the blocks forgotten."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     def set_tenant_quotas(self, quotas: dict[str, TenantQuota]) -> None:
         """Per-tenant limits (weight, running sequences, KV blocks); replaces the previous set."""
         self.scheduler.quotas = dict(quotas)
@@ -309,6 +326,8 @@ class LLMEngine:
         outputs = self._update(sus.sched, logits)
         sus.sched.decision_s = 0.0
         sus.sched.preemptions, sus.sched.moves, sus.sched.preempted_ids = [], [], []
+        # Its admissions' prefix look-ups were counted in the step that suspended.
+        sus.sched.num_prefix_query_tokens = sus.sched.num_prefix_hit_tokens = sus.sched.num_prefix_repeat_tokens = 0
         self._record(sus.sched, t0, forward_s, 0.0, outputs)
         return outputs
 
@@ -342,6 +361,10 @@ class LLMEngine:
                 kv_host_blocks_used=self.host_pool.num_used,
                 kv_host_blocks_total=self.host_pool.num_blocks,
                 kv_blocks_reserved=sched.kv_blocks_reserved,
+                num_prefix_query_tokens=sched.num_prefix_query_tokens,
+                num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+                num_prefix_repeat_tokens=sched.num_prefix_repeat_tokens,
+                prefix_caching=self.scheduler.kv.prefix.enabled,
             )
         )
 

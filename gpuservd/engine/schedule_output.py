@@ -58,6 +58,9 @@ class SchedulerOutput:
     kv_blocks_used: int = 0
     kv_blocks_reserved: int = 0  # free, but promised to pinned requests' growth (not admissible)
     kv_blocks_total: int = 0
+    num_prefix_query_tokens: int = 0  # prefix cache: known tokens of the requests admitted fresh this step
+    num_prefix_hit_tokens: int = 0  # of them, found cached and not computed (vLLM's hits)
+    num_prefix_repeat_tokens: int = 0  # caching off: of them, tokens a prefix cache would have found
     decision_s: float = 0.0  # wall time of schedule() itself
 
     @property

@@ -44,7 +44,8 @@ class Scheduler:
     """Owns the waiting and running queues of a model's requests; `kv` owns their blocks."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
-                 preemption: PreemptionConfig | None = None, host_pool=None, layout: KVLayout | None = None):
+                 preemption: PreemptionConfig | None = None, host_pool=None, layout: KVLayout | None = None,
+                 prefix_caching: bool = False, namespace: str = ""):
         self.config = config
         self.preemption = preemption or PreemptionConfig()
         p = self.preemption
@@ -54,7 +55,7 @@ class Scheduler:
         self.pool = pool
         self.host = host_pool  # HostKVPool or None (no swap space: recompute only)
         self.layout = layout or KVLayout(1, 0)
-        self.kv = KVCacheManager(pool, block_size, host_pool, self.layout.num_layers)
+        self.kv = KVCacheManager(pool, block_size, host_pool, self.layout.num_layers, prefix_caching, namespace)
         self.keep_layers = int(round(p.partial_keep_fraction * self.layout.num_layers))
         self.block_size = block_size
         self.policy = Policy.parse(config.policy)
@@ -83,6 +84,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
+        self.kv.forget(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -215,6 +217,7 @@ class Scheduler:
         now = time.monotonic()
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id)
+        self.kv.begin_step(self.running)
         seqs, blocks = self._tenant_usage()
         self._order_waiting(seqs)
         self._enforce_quota(out, now)
@@ -365,10 +368,15 @@ class Scheduler:
                 return
             if req.request_id in just_preempted:
                 continue
-            remaining = req.gap_end - req.num_computed_tokens
-            num_new = min(remaining, prefill_budget, token_budget)
-            need = self.kv.blocks_needed(req, num_new)
-            if not self._tenant_allows(req, need, seqs, blocks):
+            fresh = not self.kv.holds_kv(req)
+            prefix = self.kv.find_cached_prefix(req) if fresh else None
+            if prefix is not None and prefix.deferred:
+                continue  # another request computes its next block this step: it shares that next step
+            hit = prefix.num_tokens if prefix is not None else 0
+            num_new = min(req.gap_end - req.num_computed_tokens - hit, prefill_budget, token_budget)
+            need = self.kv.blocks_needed(req, num_new, prefix)
+            charge = self.kv.blocks_to_hold(req, num_new, prefix)
+            if not self._tenant_allows(req, charge, seqs, blocks):
                 continue  # over its tenant's quota: waits without blocking others
             room = (usable if self.running else self.pool.capacity) - self.pool.num_used - reserved
             # A pinned request comes back only when all it will ever need fits beside the others' reserves.
@@ -376,8 +384,10 @@ class Scheduler:
             fit = max(need, self._total_blocks(req) - self.kv.num_device_blocks(req)) if pinned else need
             if fit > room and not self._reclaim_from_waiting(req, fit - room, just_preempted):
                 return  # the pool is full: this request and those after it wait
-            if not self._resume(out, req, num_new):
+            if not self._resume(out, req, num_new, prefix):
                 return
+            if fresh:
+                self._count_lookup(out, req, prefix)
             self.waiting.remove(req)
             if pinned:
                 reserved += max(0, self._total_blocks(req) - self.kv.num_table_blocks(req))
@@ -385,17 +395,22 @@ class Scheduler:
             req.admitted_time = time.monotonic()
             self.running.append(req)
             seqs[req.tenant] = seqs.get(req.tenant, 0) + 1
-            blocks[req.tenant] = blocks.get(req.tenant, 0) + need
+            blocks[req.tenant] = blocks.get(req.tenant, 0) + charge
             self._add_chunk(out, req, num_new)
             token_budget -= num_new
             if num_new > 1:
                 prefill_budget -= num_new
                 prefill_seqs += 1
 
-    def _resume(self, out: SchedulerOutput, req: Request, num_new: int) -> bool:
-        """Give an admitted request the device blocks it needs (swap-in, dropped prefix, first chunk)."""
+    def _resume(self, out: SchedulerOutput, req: Request, num_new: int, prefix=None) -> bool:
+        """Give an admitted request the device blocks it needs (swap-in, dropped prefix, first chunk
+        after a cached prefix, whose tokens then count as computed)."""
         if not self.kv.is_swapped(req):
-            return self.kv.allocate_slots(req, num_new) is not None
+            if self.kv.allocate_slots(req, num_new, prefix) is None:
+                return False
+            if prefix is not None:
+                req.num_computed_tokens = prefix.num_tokens
+            return True
         move = self.kv.swap_in(req, num_new)
         if move is None:
             return False
@@ -419,8 +434,15 @@ class Scheduler:
             self._drop_paused(r)
         return need <= 0
 
+    def _count_lookup(self, out: SchedulerOutput, req: Request, prefix) -> None:
+        queried, hit, repeated = self.kv.prefix.count_admission(req, prefix)
+        out.num_prefix_query_tokens += queried
+        out.num_prefix_hit_tokens += hit
+        out.num_prefix_repeat_tokens += repeated
+
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
+        self.kv.note_scheduled(req, start, num_new)
         sample = start + num_new == req.num_tokens
         out.chunks.append(ScheduledChunk(req, start, num_new, sample))
         if num_new == 1:

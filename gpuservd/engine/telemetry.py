@@ -39,6 +39,10 @@ class StepRecord:
     kv_host_blocks_used: int = 0  # the host swap pool
     kv_host_blocks_total: int = 0
     kv_blocks_reserved: int = 0  # free blocks promised to requests that may not be preempted again
+    num_prefix_query_tokens: int = 0  # prefix cache: known tokens of the requests admitted fresh this step
+    num_prefix_hit_tokens: int = 0  # of them, reused from cached blocks (not computed)
+    num_prefix_repeat_tokens: int = 0  # caching off: of them, tokens a prefix cache would have reused
+    prefix_caching: bool = False  # engine.prefix_caching at this step
 
     def to_dict(self) -> dict:
         return asdict(self)

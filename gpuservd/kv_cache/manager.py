@@ -11,6 +11,14 @@ Mechanism only, as vLLM's KVCacheManager: it answers how many blocks something
 needs, hands out blocks or None, and returns the copies (`KVMove`) a swap needs,
 which the engine executes in order before the step's forward. Who is preempted,
 and whether by swap, partial swap or recompute, is the scheduler's decision.
+
+With prefix caching (kv_cache/prefix_cache.py) a block may be in several
+tables at once. A shared block is never written or moved out from under its
+other holders: only full blocks are shared and a request writes only past its
+computed tokens; a partial swap parks its kept layers only in blocks it alone
+references (uncached first, as their content changes); swap-outs copy shared
+blocks (reading is safe) and every preemption only drops this request's
+reference, so "blocks freed" counts the blocks whose last reference went.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuservd.kv_cache.block_pool import BlockPool
+from gpuservd.kv_cache.prefix_cache import CachedPrefix, PrefixCache
 from gpuservd.kv_cache.swap import KVMove, num_park_blocks
 
 
@@ -39,19 +48,23 @@ class RequestKV:
     table: list[int] = field(default_factory=list)  # device block table, in token order
     num_dropped: int = 0  # oldest blocks dropped by a recompute; `table` is then the kept tail
     swapped: SwappedKV | None = None
+    num_committed: int = 0  # leading table blocks already offered to the prefix cache
 
 
 class KVCacheManager:
     """Owns the device block pool's and the host pool's blocks of every request of one engine.
 
     `pool` is the device BlockPool; `host` anything with allocate/free/num_free/num_used (the
-    engine's HostKVPool, or a bare BlockPool in scheduler tests), or None when there is no swap space."""
+    engine's HostKVPool, or a bare BlockPool in scheduler tests), or None when there is no swap space.
+    `namespace` names the weights the KV belongs to (prefix cache hashes are only equal within one)."""
 
-    def __init__(self, pool: BlockPool, block_size: int, host=None, num_layers: int = 1):
+    def __init__(self, pool: BlockPool, block_size: int, host=None, num_layers: int = 1,
+                 prefix_caching: bool = False, namespace: str = ""):
         self.pool = pool
         self.host = host
         self.block_size = block_size
         self.num_layers = num_layers
+        self.prefix = PrefixCache(pool, block_size, prefix_caching, namespace)
         self._kv: dict[str, RequestKV] = {}
 
     # -- questions ---------------------------------------------------------
@@ -80,6 +93,22 @@ class KVCacheManager:
         kv = self._kv.get(request.request_id)
         return len(kv.swapped.host_blocks) if kv is not None and kv.swapped else 0
 
+    def holds_kv(self, request) -> bool:
+        """Whether it has any KV: blocks, a kept tail, parked or host blocks."""
+        kv = self._kv.get(request.request_id)
+        return kv is not None and bool(kv.table or kv.swapped or kv.num_dropped)
+
+    def blocks_to_hold(self, request, num_new: int, prefix: CachedPrefix | None = None) -> int:
+        """Blocks its table gains for the next num_new tokens, shared ones included (what a tenant's
+        KV block quota charges it: every block a request references counts, shared or not)."""
+        if prefix is None:
+            return self.blocks_needed(request, num_new)
+        return self._num_blocks_for(prefix.num_tokens + num_new)
+
+    def _num_evictable(self, prefix: CachedPrefix) -> int:
+        """Blocks of a cached prefix nobody references now (sharing takes them out of the free queue)."""
+        return sum(1 for b in prefix.blocks if self.pool.refcount(b) == 0)
+
     def is_swapped(self, request) -> bool:
         kv = self._kv.get(request.request_id)
         return kv is not None and kv.swapped is not None
@@ -88,8 +117,12 @@ class KVCacheManager:
     def num_host_free(self) -> int:
         return self.host.num_free if self.host is not None else 0
 
-    def blocks_needed(self, request, num_new: int) -> int:
-        """Device blocks `allocate_slots(request, num_new)` (or `swap_in`) would take from the pool."""
+    def blocks_needed(self, request, num_new: int, prefix: CachedPrefix | None = None) -> int:
+        """Device blocks `allocate_slots(request, num_new, prefix)` (or `swap_in`) would take from the
+        pool: fresh ones, and cached ones nobody references that the prefix would take out of the free queue."""
+        if prefix is not None:
+            fresh = self._num_blocks_for(prefix.num_tokens + num_new) - len(prefix.blocks)
+            return fresh + self._num_evictable(prefix)
         kv = self._kv.get(request.request_id)
         if kv is not None and kv.swapped is not None:
             s = kv.swapped
@@ -107,19 +140,27 @@ class KVCacheManager:
         return max(0, self._num_blocks_for(request.num_computed_tokens + num_new) - num_blocks)
 
     # -- allocation --------------------------------------------------------
-    def allocate_slots(self, request, num_new: int) -> list[int] | None:
-        """Device blocks for the request's next `num_new` tokens (after its num_computed_tokens), or
-        None with nothing taken when the pool has too few. A partly dropped request gets its dropped
-        blocks back in front of its kept tail. Returns the blocks added (possibly none)."""
+    def allocate_slots(self, request, num_new: int, prefix: CachedPrefix | None = None) -> list[int] | None:
+        """Device blocks for the request's next `num_new` tokens (after its num_computed_tokens, or after
+        a cached `prefix` of a request holding nothing yet, whose blocks it then shares), or None with
+        nothing taken when the pool has too few. A partly dropped request gets its dropped blocks back
+        in front of its kept tail. Returns the blocks added (possibly none)."""
         kv = self._get(request)
         if kv.swapped is not None:
             raise ValueError(f"request {request.request_id} is swapped out: swap_in first")
-        need = self.blocks_needed(request, num_new)
+        need = self.blocks_needed(request, num_new, prefix)
+        if need > self.pool.num_free:
+            return None
+        if prefix is not None:
+            if kv.table or kv.num_dropped or request.num_computed_tokens:
+                raise ValueError(f"request {request.request_id} already has KV: a cached prefix cannot join it")
+            need -= self._num_evictable(prefix)
+            self.pool.touch(prefix.blocks)
+            kv.table = list(prefix.blocks)
+            kv.num_committed = len(prefix.blocks)
         if need == 0:
             return []
         new = self.pool.allocate(need)
-        if new is None:
-            return None
         if kv.num_dropped:
             kv.table[:0] = new
             kv.num_dropped = 0
@@ -128,12 +169,15 @@ class KVCacheManager:
         return new
 
     def free(self, request) -> None:
-        """Give back everything the request holds: its table, parked blocks and host blocks."""
+        """Give back everything the request holds: its table (last block first, so its prefix stays
+        cached longest), parked blocks and host blocks. Its computed full blocks are offered to the
+        prefix cache first."""
         kv = self._kv.pop(request.request_id, None)
         if kv is None:
             return
         if kv.table:
-            self.pool.free(kv.table)
+            self.prefix.commit(request, kv.table, kv.num_committed)
+            self.pool.free(kv.table[::-1])
         if kv.swapped is not None:
             if kv.swapped.park_blocks:
                 self.pool.free(kv.swapped.park_blocks)
@@ -147,10 +191,17 @@ class KVCacheManager:
         kv = self._get(request)
         if not 0 < n < len(kv.table) or kv.num_dropped:
             raise ValueError(f"cannot drop {n} of {len(kv.table)} blocks of {request.request_id}")
-        self.pool.free(kv.table[:n])
+        self.prefix.commit(request, kv.table, kv.num_committed)
+        freed = self._release(kv.table[:n])
         del kv.table[:n]
-        kv.num_dropped = n
-        return n
+        kv.num_dropped, kv.num_committed = n, 0
+        return freed
+
+    def _release(self, blocks: list[int]) -> int:
+        """Drop one reference from each block (last first); returns how many nobody references now."""
+        freed = sum(1 for b in blocks if self.pool.refcount(b) == 1)
+        self.pool.free(blocks[::-1])
+        return freed
 
     # -- swap and partial swap ----------------------------------------------
     def park_blocks_for(self, num_blocks: int, keep_layers: int) -> int:
@@ -162,21 +213,29 @@ class KVCacheManager:
 
     def swap_out(self, request, keep_layers: int = 0) -> tuple[KVMove, int]:
         """Move the request's KV off the device: layers [0, L - keep_layers) to host blocks, the last
-        keep_layers packed into the first blocks of its own table (partial swap), the rest of its table
-        given back. Returns (the copy to execute, device blocks freed). The blocks freed here may be
-        written by the same step's forward: the engine runs the move before it."""
+        keep_layers packed into blocks of its own table (partial swap), its other references given
+        back. Parking writes, so it uses only blocks this request alone references; with too few of
+        those every layer goes to the host (the move's num_host_layers says which happened). Returns
+        (the copy to execute, device blocks freed). The blocks freed here may be written by the same
+        step's forward: the engine runs the move before it."""
         kv = self._get(request)
         n = len(kv.table)
         host = self.host.allocate(n) if n else None
         if host is None or n == 0:
             raise ValueError(f"no host space to swap out {n} blocks of {request.request_id}")
+        self.prefix.commit(request, kv.table, kv.num_committed)
         c = self.park_blocks_for(n, keep_layers)
-        park = kv.table[:c]
+        park = [b for b in kv.table if self.pool.refcount(b) == 1][:c]
+        if len(park) < c:
+            keep_layers, park = 0, []
+        for b in park:
+            self.pool.uncache(b)
         move = KVMove(request.request_id, "out", list(kv.table), host, self.num_layers - keep_layers, park)
-        self.pool.free(kv.table[c:])
+        parked = set(park)
+        freed = self._release([b for b in kv.table if b not in parked])
         kv.swapped = SwappedKV(n, self.num_layers - keep_layers, host, park)
-        kv.table = []
-        return move, n - c
+        kv.table, kv.num_committed = [], 0
+        return move, freed
 
     def park(self, request, keep_layers: int) -> tuple[KVMove, int]:
         """Partial swap: `swap_out` keeping the last keep_layers layers on the device."""
@@ -200,3 +259,37 @@ class KVCacheManager:
         self.host.free(s.host_blocks)
         kv.table, kv.swapped = table, None
         return move
+
+    # -- prefix caching ----------------------------------------------------
+    def find_cached_prefix(self, request) -> CachedPrefix | None:
+        """The cached leading blocks a request holding no KV could share (None: caching off, the
+        request holds KV, or nothing is cached)."""
+        if request.num_computed_tokens or self.holds_kv(request):
+            return None
+        return self.prefix.find(request)
+
+    def note_scheduled(self, request, start: int, num_new: int) -> None:
+        """This step computes tokens [start, start + num_new) of the request: the blocks they fill are
+        in flight, and a request that would share them waits a step instead of computing them again."""
+        self.prefix.note_in_flight(request, start, num_new)
+
+    def begin_step(self, running) -> None:
+        """Before a step's decision: the last forward has run, so the running requests' newly computed
+        full blocks go into the prefix cache."""
+        self.prefix.begin_step()
+        if not self.prefix.enabled:
+            return
+        for r in running:
+            kv = self._kv.get(r.request_id)
+            if kv is not None and kv.table:
+                kv.num_committed = self.prefix.commit(r, kv.table, kv.num_committed)
+
+    def forget(self, request) -> None:
+        """The request is gone (finished or aborted): free what it holds and its block hashes."""
+        self.free(request)
+        self.prefix.forget(request)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block's hash: later requests find nothing until new blocks are committed.
+        Returns the number of blocks forgotten."""
+        return self.prefix.reset()
