@@ -40,6 +40,11 @@ def set_kv_limit(blocks: int | None, engine) -> None:
     engine.pool.set_limit(blocks)
 
 
+def reset_prefix_cache(engine) -> int:
+    """Drop the engine's prefix cache; returns the blocks forgotten."""
+    return engine.reset_prefix_cache()
+
+
 def request_views(engine) -> dict[str, dict]:
     """The engine's view of each unfinished request (GET /admin/requests)."""
     return {rid: {"state": r.state.name.lower(), "num_output_tokens": len(r.output_token_ids),

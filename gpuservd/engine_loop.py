@@ -99,6 +99,7 @@ class LoopSnapshot:
     num_engine_errors: int = 0  # steps that raised
     preemption: dict | None = None  # the scheduler's preemption state (engine.preemption_status())
     decode: dict | None = None  # how decode steps run: CUDA graphs or eager, and why (engine.decode_status())
+    prefix_cache: dict | None = None  # on/off, query and hit tokens, cached blocks (engine.prefix_cache_status())
 
 
 class EngineHooks(Protocol):
@@ -294,7 +295,7 @@ class EngineLoop:
         self.snapshot = LoopSnapshot(
             self.model, len(e.scheduler.running), len(e.scheduler.waiting), len(e.requests), e.pool.num_used,
             e.pool.num_blocks, e.telemetry.num_steps, time.monotonic(), s.num_engine_errors,
-            e.preemption_status(), e.decode_status())
+            e.preemption_status(), e.decode_status(), e.prefix_cache_status())
 
     def _apply(self, cmd: tuple, deliveries: list) -> None:
         kind = cmd[0]

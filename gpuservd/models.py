@@ -398,7 +398,7 @@ class Models:
             num_waiting=snap.num_waiting if snap else 0, num_in_flight=slot.num_in_flight,
             max_model_len=slot.max_model_len, num_steps=snap.num_steps if snap else 0, error=slot.error,
             preemption=snap.preemption if snap else None, decode=snap.decode if snap else None,
-            tiers=self.cache.residency(slot.name),
+            prefix_cache=snap.prefix_cache if snap else None, tiers=self.cache.residency(slot.name),
             weights_bytes=slot.weights_bytes, num_layers=slot.num_layers, layers_ready=slot.layers_ready,
             source_tier=slot.source_tier, **self.sharing.model_fields(slot.name))
 

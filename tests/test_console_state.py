@@ -144,3 +144,12 @@ def test_request_rows_sort_and_filter_with_missing_fields():
     assert [r["request_id"] for r in sort_rows(rows, "num_output_tokens", True)] == ["c", "a", "b"]
     assert [r["request_id"] for r in sort_rows(rows, "model", False)] == ["a", "b", "c"]
     assert [r["request_id"] for r in filter_rows(rows, "tiny pre")] == ["c"]
+
+
+def test_dashboard_shows_the_prefix_cache_hit_rate():
+    from console.screens.dashboard import prefix_cache_lines
+
+    on = {"name": "m", "prefix_cache": {"enabled": True, "query_tokens": 1200, "hit_tokens": 996, "cached_blocks": 40}}
+    assert prefix_cache_lines(on) == ["m: prefix cache 83% hit (996 of 1200 tokens), 40 blocks"]
+    assert prefix_cache_lines({"name": "m", "prefix_cache": {"enabled": False}}) == ["m: prefix cache off"]
+    assert prefix_cache_lines({"name": "m"}) == []  # an older daemon: nothing said

@@ -10,7 +10,7 @@ from gpuservd.hints.rule import Thresholds, missing_inputs
 from gpuservd.hints.rules_cache import cache_hit_rate_low, load_after_evict, lru_hit_rate, lru_size_for
 from gpuservd.hints.rules_device import bandwidth_bound, device_errors, sharing_contention, timeslice_overhead
 from gpuservd.hints.rules_sched import (batch_past_plateau, kv_quota_small, preemption_off_skewed,
-                                        scheduler_overhead, starvation, swap_thrash)
+                                        prefix_caching_off_repeats, scheduler_overhead, starvation, swap_thrash)
 from gpuservd.hints.window import Window
 
 NOW = 1000.0
@@ -41,7 +41,7 @@ def window(**kw) -> Window:
 def test_every_rule_has_a_test_here():
     tested = {"preemption_off_skewed", "starvation", "swap_thrash", "kv_quota_small", "scheduler_overhead",
               "batch_past_plateau", "bandwidth_bound", "device_errors", "timeslice_overhead", "sharing_contention",
-              "cache_hit_rate_low", "load_after_evict"}
+              "cache_hit_rate_low", "load_after_evict", "prefix_caching_off_repeats"}
     assert {r.name for r in ALL_RULES} == tested
 
 
@@ -149,6 +149,26 @@ def test_batch_past_plateau_quiet_at_the_plateau_or_without_a_sweep():
     assert batch_past_plateau(w, "m", TH) is None
     rule = next(r for r in ALL_RULES if r.name == "batch_past_plateau")
     assert missing_inputs(rule, w) == ["a `gpuserv bench sweep --model M` result for the served model"]
+
+
+def test_prefix_caching_off_repeats_fires_when_prompts_repeat():
+    ss = steps(prefill=100)
+    for s in ss[:10]:
+        s.update(num_prefix_repeat_tokens=64, prefix_caching=False)
+    assert prefix_caching_off_repeats(window(steps={"m": ss}), "m", TH) is None  # 640 of 3000: under 0.3
+    for s in ss[:20]:
+        s.update(num_prefix_repeat_tokens=64)
+    ev = prefix_caching_off_repeats(window(steps={"m": ss}), "m", TH)
+    assert ev == {"repeat_tokens": 1280, "prefill_tokens": 3000, "repeat_share": 0.427, "threshold": 0.3,
+                  "num_steps": 30}
+
+
+def test_prefix_caching_off_repeats_quiet_with_caching_on_or_distinct_prompts():
+    ss = steps(prefill=100)
+    assert prefix_caching_off_repeats(window(steps={"m": ss}), "m", TH) is None  # nothing repeated
+    for s in ss:
+        s.update(num_prefix_repeat_tokens=90, prefix_caching=True)
+    assert prefix_caching_off_repeats(window(steps={"m": ss}), "m", TH) is None  # the cache is on
 
 
 # ---- device rules ---------------------------------------------------------------------------------------

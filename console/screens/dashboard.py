@@ -77,7 +77,20 @@ def swap_text(state) -> str:
             lines.append(f"{m['name']}: {p.get('mode')} {p.get('granularity', '')} {p.get('kind', '')}, "
                          f"host {p.get('host_blocks_used', 0)}/{p.get('host_blocks_total', 0)} blocks, "
                          f"{p.get('num_swapped', 0)} swapped")
+        lines.extend(prefix_cache_lines(m))
     return "\n".join(lines)
+
+
+def prefix_cache_lines(m: dict) -> list[str]:
+    """`smollm2: prefix cache 83% hit (1.0k of 1.2k tokens), 40 blocks`, or `off` when disabled."""
+    pc = m.get("prefix_cache")
+    if not pc:
+        return []
+    if not pc.get("enabled"):
+        return [f"{m['name']}: prefix cache off"]
+    q, h = pc.get("query_tokens", 0), pc.get("hit_tokens", 0)
+    rate = f"{100 * h / q:.0f}%" if q else "-"
+    return [f"{m['name']}: prefix cache {rate} hit ({h} of {q} tokens), {pc.get('cached_blocks', 0)} blocks"]
 
 
 # The device fields the Device panel shows (gpuservd/gpu/readings.py DEVICE_FIELDS, the ones worth a glance).

@@ -9,8 +9,10 @@ recent non-step events, so a console that connects late has context.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,6 +22,7 @@ from gpuservd.api import protocol
 from gpuservd.api.http import StreamResponse, endpoint
 from gpuservd.api.metrics import CONTENT_TYPE
 from gpuservd.api.protocol import APIError
+from gpuservd.engine_calls import reset_prefix_cache
 from gpuservd.errors import ModelNotFound, UserError
 from gpuservd.serving import Serving
 
@@ -110,6 +113,15 @@ def routes(serving: Serving, controller) -> list[Route]:
         return JSONResponse(serving.pin(request.path_params["model"], _opt(body, "pinned", bool, True)))
 
     @endpoint()
+    async def prefix_cache_reset(request: Request):
+        name = request.path_params["model"]
+        slot = serving.slots.get(name)
+        if slot is None or slot.loop is None or slot.state != "ready":
+            raise APIError(404, f"model {name} is not loaded", "invalid_request_error", "model", "model_not_found")
+        forgotten = await asyncio.wrap_future(slot.loop.call(partial(reset_prefix_cache)))
+        return JSONResponse({"model": name, "num_blocks_forgotten": forgotten})
+
+    @endpoint()
     async def versions(request: Request):
         body = await _json_body(request)
         weights = body.get("weights") if isinstance(body, dict) else None
@@ -185,6 +197,7 @@ def routes(serving: Serving, controller) -> list[Route]:
         Route("/admin/models/{model}/unload", unload, methods=["POST"]),
         Route("/admin/models/{model}/pin", pin, methods=["POST"]),
         Route("/admin/models/{model}/versions", versions, methods=["POST"]),
+        Route("/admin/models/{model}/prefix_cache/reset", prefix_cache_reset, methods=["POST"]),
         Route("/admin/drain", drain, methods=["POST"]),
         Route("/admin/resume", resume, methods=["POST"]),
         Route("/admin/reload", reload, methods=["POST"]),

@@ -159,6 +159,10 @@ class Client:
     def pin(self, name: str, pinned: bool = True) -> dict:
         return self.request("POST", f"/admin/models/{name}/pin", {"pinned": pinned})
 
+    def reset_prefix_cache(self, name: str) -> dict:
+        """Drop the model's prefix cache: {"model", "num_blocks_forgotten"}."""
+        return self.request("POST", f"/admin/models/{name}/prefix_cache/reset")
+
     def set_versions(self, name: str, weights: dict | None) -> dict:
         """Split `name`'s traffic over versions by weight ({} or None: serve it as itself)."""
         return self.request("POST", f"/admin/models/{name}/versions", {"weights": weights or None})

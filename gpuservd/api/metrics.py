@@ -63,6 +63,9 @@ class Metrics:
         self.recomputed_tokens = Counter("gpuserv_preemption_recompute_tokens",
                                          "Tokens whose KV was dropped by a preemption and must be prefilled again",
                                          m, registry=r)
+        # Tokens, as vLLM counts them: each admitted request's known tokens are a query, the cached ones hits.
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache: tokens looked up", m, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache: tokens found cached", m, registry=r)
         self.rejections = Counter("gpuserv_requests_rejected", "Requests refused before reaching an engine",
                                   ["reason"], registry=r)
         self.http_errors = Counter("gpuserv_http_errors", "Error responses", ["status"], registry=r)
@@ -72,7 +75,8 @@ class Metrics:
     def add_model(self, model: str) -> None:
         """Create the model's series at zero, so dashboards see them before the first request."""
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.itl,
-                       self.e2e, self.step, self.decision, self.recomputed_tokens):
+                       self.e2e, self.step, self.decision, self.recomputed_tokens, self.prefix_queries,
+                       self.prefix_hits):
             metric.labels(model)
         for direction in ("out", "in"):
             self.swap_bytes.labels(model, direction)
@@ -90,6 +94,9 @@ class Metrics:
                 self.preemptions_by_kind.labels(model, p["kind"], p["reason"]).inc()
                 if p["tokens_to_recompute"]:
                     self.recomputed_tokens.labels(model).inc(p["tokens_to_recompute"])
+        if rec.num_prefix_query_tokens:
+            self.prefix_queries.labels(model).inc(rec.num_prefix_query_tokens)
+            self.prefix_hits.labels(model).inc(rec.num_prefix_hit_tokens)
         for m in rec.swaps:
             direction = m["kind"].removeprefix("swap_")
             self.swap_bytes.labels(model, direction).inc(m["bytes_moved"])

@@ -24,6 +24,7 @@ class ModelStatus:
     error: str | None = None  # why it failed (state == failed)
     preemption: dict | None = None  # mode, enabled, granularity, kind, policy, host pool, swapped, costs
     decode: dict | None = None  # path (cuda_graphs | fixed_shape_eager | eager), reason, kernels, buckets captured
+    prefix_cache: dict | None = None  # enabled, query_tokens, hit_tokens, hit_rate, cached_blocks, resets
     tiers: dict | None = None  # weight bytes per tier: {"device", "host", "host_compression"}
     weights_bytes: int = 0  # on the device, in the compute dtype
     num_layers: int = 0

@@ -61,6 +61,9 @@ class Thresholds:
     contention_ratio: float = 2.0  # P99 step time with a neighbour stepping / P99 alone
     # scheduler_overhead: the scheduler's own cost must stay below what it wins
     decision_share: float = 0.10  # scheduler decision time / step time above this
+    # prefix_caching_off_repeats
+    repeat_share: float = 0.3  # prompt tokens a prefix cache would have reused / prefill tokens, at least this
+    repeat_min_tokens: int = 256  # ... and at least this many such tokens in the window
 
 
 @dataclass

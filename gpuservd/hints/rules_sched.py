@@ -112,6 +112,20 @@ def scheduler_overhead(w: Window, model: str, th: Thresholds) -> dict | None:
             "waiting_mean": r3(mean(s["num_waiting"] for s in steps))}
 
 
+def prefix_caching_off_repeats(w: Window, model: str, th: Thresholds) -> dict | None:
+    """Prefix caching is off while admitted prompts repeat prefixes of recent ones (the step records'
+    repeat tokens: what a cache would have reused), so the same tokens are prefilled again and again."""
+    steps = w.recent_steps(model, th.step_span_s)
+    if not steps or any(s.get("prefix_caching") for s in steps):
+        return None
+    repeated = sum(s.get("num_prefix_repeat_tokens", 0) for s in steps)
+    prefill = sum(s["num_prefill_tokens"] for s in steps)
+    if repeated < th.repeat_min_tokens or not prefill or repeated / prefill < th.repeat_share:
+        return None
+    return {"repeat_tokens": repeated, "prefill_tokens": prefill, "repeat_share": r3(repeated / prefill),
+            "threshold": th.repeat_share, "num_steps": len(steps)}
+
+
 def batch_past_plateau(w: Window, model: str, th: Thresholds) -> dict | None:
     """The decode batch runs past the size where the sweep found throughput stops growing."""
     sweep = w.sweeps.get(model)
@@ -163,6 +177,11 @@ RULES = [
          "shorten the waiting queue (server.max_queued_per_model), use victim_policy newest or granularity "
          "request; decisions take {decision_share} of step time",
          ("steps",), scheduler_overhead),
+    Rule("prefix_caching_off_repeats", "prompts repeat the same prefixes while prefix caching is off",
+         "every request prefills a shared system prompt or conversation history from scratch",
+         "set engine.prefix_caching: true; {repeat_tokens} of {prefill_tokens} prefill tokens "
+         "({repeat_share}) repeated a recent prompt's prefix",
+         ("steps",), prefix_caching_off_repeats),
     Rule("batch_past_plateau", "the decode batch runs past the throughput plateau",
          "past the plateau a bigger batch adds latency to every request without adding throughput",
          "lower scheduler.max_num_seqs to {recommended_decode_heavy} (decode-heavy) or "
