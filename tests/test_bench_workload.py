@@ -182,3 +182,40 @@ def test_shipped_preemption_configs_load(path):
 
     cfg = load_config(path)
     assert cfg.preemption.mode in ("on", "off") or path.name == "kv-default.yaml"  # that one is the built-in defaults
+
+
+def test_shared_prefix_chat_builds_conversations_that_resend_their_history():
+    """16 conversations x 4 turns over one 600-token system prompt: every prompt starts with it, and a
+    turn's prompt extends its conversation's previous prompt (plus that turn's reply and a new message)."""
+    from gpuservd.bench.chat import expected_prefix_hits
+
+    reqs = load_workload(WORKLOADS / "shared-prefix-chat.yaml").materialize(49152, eos_token_id=2)
+    assert len(reqs) == 64 and [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    system = reqs[0].prompt_token_ids[:600]
+    assert all(r.prompt_token_ids[:600] == system for r in reqs)
+    for j, r in enumerate(reqs):
+        if j >= 16:  # turn j // 16 of conversation j % 16
+            prev = reqs[j - 16]
+            added = len(r.prompt_token_ids) - len(prev.prompt_token_ids)
+            assert r.prompt_token_ids[:len(prev.prompt_token_ids)] == prev.prompt_token_ids
+            assert 20 + prev.output_tokens <= added <= 60 + prev.output_tokens
+        else:
+            assert 620 <= len(r.prompt_token_ids) <= 660
+    hits, queries = expected_prefix_hits([r.prompt_token_ids for r in reqs], 16)
+    # By construction: the first request reuses nothing, the other 15 first turns the system prompt's 37 full
+    # blocks, and every later turn its previous turn's prompt in full blocks.
+    want = 15 * 592 + sum(len(reqs[j - 16].prompt_token_ids) // 16 * 16 for j in range(16, 64))
+    assert hits == want and queries == sum(len(r.prompt_token_ids) for r in reqs)
+    assert 0.8 < hits / queries < 0.95
+
+
+def test_other_workloads_keep_their_prompts_when_chats_exist():
+    """The chat construction draws from a stream of its own: a workload without chats materializes as before."""
+    import numpy as np
+
+    reqs = load_workload(WORKLOADS / "smoke.yaml").materialize(49152, eos_token_id=2)
+    wl = load_workload(WORKLOADS / "smoke.yaml")
+    rng_tok = np.random.default_rng(np.random.SeedSequence(wl.seed).spawn(4)[3])
+    from gpuservd.bench.workload import _random_prompt
+
+    assert reqs[0].prompt_token_ids == _random_prompt(rng_tok, len(reqs[0].prompt_token_ids), 49152, {2})

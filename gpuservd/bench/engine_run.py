@@ -72,8 +72,17 @@ def run_gpuserv(engine, requests: Sequence) -> SystemRun:
         "busy_share": sum(s.wall_s for s in steps) / wall if wall > 0 else None,  # time spent in steps
         "outputs_exact": all(t.output_tokens == by_id[t.request_id].output_tokens for t in timings),
         **preemption_costs(steps),
+        **prefix_cache_use(engine, steps),
     }
     return SystemRun("gpuserv", wall, sorted(timings, key=lambda t: t.request_id), extra)
+
+
+def prefix_cache_use(engine, steps) -> dict:
+    """The prefix cache over a run, from the step records: tokens looked up, found, and their ratio."""
+    queried = sum(s.num_prefix_query_tokens for s in steps)
+    hit = sum(s.num_prefix_hit_tokens for s in steps)
+    return {"prefix_caching": engine.config.prefix_caching, "prefix_query_tokens": queried,
+            "prefix_hit_tokens": hit, "prefix_hit_rate": hit / queried if queried else None}
 
 
 def preemption_costs(steps) -> dict:

@@ -105,6 +105,7 @@ def variants(systems: dict, classes: list[str]) -> dict:
         for p in ("p50", "p99"):
             entry[f"latency_{p}"] = {c: _ratio((s["latency_s"].get(c) or {}).get(p),
                                                (base["latency_s"].get(c) or {}).get(p)) for c in ["all", *classes]}
+        entry["ttft_p50"] = _ratio((s["ttft_s"].get("all") or {}).get("p50"), (base["ttft_s"].get("all") or {}).get("p50"))
         out[name] = entry
     return out
 
@@ -211,6 +212,7 @@ def markdown(result: dict) -> str:
         cells.append(_f(r["ttft_p50"].get("all"), "{:.2f}x"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += _preemption_lines(result, groups)
+    lines += _prefix_cache_lines(result)
     fl = result.get("floor")
     if fl:
         lines += ["", f"Batch-1 decode floor: {_f(fl.get('floor_step_ms'), '{:.1f}')} ms "
@@ -222,6 +224,23 @@ def markdown(result: dict) -> str:
     lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}, "
                   f"{m['threads']} threads, torch {m['torch']}, transformers {m['transformers']}.", ""]
     return "\n".join(lines)
+
+
+def _prefix_cache_lines(result: dict) -> list[str]:
+    """Per gpuserv run: the prefix cache's measured hit rate beside the workload's own (its construction
+    through an unbounded cache), and each variant's TTFT P50 against the base."""
+    ours = {n: s["extra"] for n, s in result["systems"].items() if _ours(n) and "prefix_query_tokens" in s["extra"]}
+    if not any(e["prefix_query_tokens"] or e.get("prefix_expected_hit_rate") for e in ours.values()):
+        return []
+    lines = ["", "| run | prefix caching | hit rate | expected hit rate | hit / query tokens | ttft p50 / base |",
+             "|---|---|---|---|---|---|"]
+    for name, e in ours.items():
+        v = (result.get("variants") or {}).get(name) or {}
+        lines.append("| " + " | ".join([
+            name, "on" if e.get("prefix_caching") else "off", _f(e.get("prefix_hit_rate"), "{:.3f}"),
+            _f(e.get("prefix_expected_hit_rate"), "{:.3f}"), f"{e['prefix_hit_tokens']} / {e['prefix_query_tokens']}",
+            _f(v.get("ttft_p50"), "{:.2f}x") if v else "-"]) + " |")
+    return lines
 
 
 def _preemption_lines(result: dict, groups: list[str]) -> list[str]:

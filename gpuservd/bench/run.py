@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gpuservd.bench import peers as peer_mod
+from gpuservd.bench.chat import expected_prefix_hits
 from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
 from gpuservd.bench.floor import ForeignLoad, floor_summary, measure_read_bandwidth, weight_bytes_per_decode_step
 from gpuservd.bench.report import OURS, write_report
@@ -142,6 +143,9 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
             run.extra["foreign_cpu_share"] = load.share
             run.extra["engine_load_s"] = load_s
             run.extra["config"] = dataclasses.asdict(c)
+            hits, queries = expected_prefix_hits([r.prompt_token_ids for r in sorted(reqs, key=lambda r: r.arrival_s)],
+                                                 c.block_size)
+            run.extra["prefix_expected_hit_rate"] = hits / queries if queries else None
             by_system.setdefault(run_name, []).append(run)
             log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s, "
                 f"{run.extra['num_preempted']} preemptions")

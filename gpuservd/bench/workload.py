@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from gpuservd.bench.chat import build_chats
 from gpuservd.bench.workload_schema import (
     Arrival,
     LengthDist,
@@ -77,8 +78,9 @@ class Workload:
     ) -> list[WorkloadRequest]:
         """Concrete requests in arrival order. Prompt token ids are random ids that avoid the
         low (usually special) ids and EOS; `tokenize` is needed only for trace lines with `prompt` text."""
-        streams = np.random.SeedSequence(self.seed).spawn(4)
-        rng_cls, rng_arrival, rng_len, rng_tok = (np.random.default_rng(s) for s in streams)
+        # A fifth stream for chats: the first four (and so every other workload's requests) stay as they were.
+        streams = np.random.SeedSequence(self.seed).spawn(5)
+        rng_cls, rng_arrival, rng_len, rng_tok, rng_chat = (np.random.default_rng(s) for s in streams)
         if self.arrival.process == "trace":
             specs = self._trace_specs(rng_len, tokenize)
         else:
@@ -95,6 +97,8 @@ class Workload:
                          tenant=c.tenant, model=self.model, prompt_ids=None)
                 )
         eos = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+        build_chats(specs, {c.name: c for c in self.classes}, rng_chat,
+                    lambda rng, n: _random_prompt(rng, n, tokenizer_vocab_size, eos))
         out = []
         for i, s in enumerate(specs):
             ids = s["prompt_ids"]

@@ -69,6 +69,8 @@ class RequestClass:
     output_tokens: LengthDist  # forced output length distribution
     priority: int = 0  # default priority of its requests
     tenant: str = "default"  # default tenant of its requests
+    prefix_tokens: int = 0  # tokens of a system prompt every request of the class starts with (bench/chat.py)
+    turns: int = 1  # turns per conversation; each turn resends the history (bench/chat.py)
 
 
 @dataclass
@@ -144,7 +146,8 @@ def parse_dist(v, where: Where) -> LengthDist:
 def parse_class(v, where: Where) -> RequestClass:
     """One `classes[i]` entry."""
     d = _mapping(v, where, "{name: short, share: 0.5, prompt_tokens: {...}, output_tokens: {...}}")
-    _check_keys(d, where, ("name", "share", "prompt_tokens", "output_tokens"), ("priority", "tenant"))
+    _check_keys(d, where, ("name", "share", "prompt_tokens", "output_tokens"),
+                ("priority", "tenant", "prefix_tokens", "turns"))
     share = _number(d["share"], where.at("share"), nonneg=True)
     if share > 1:
         raise where.at("share").error(f"expected a fraction between 0 and 1, got {d['share']!r}")
@@ -155,6 +158,8 @@ def parse_class(v, where: Where) -> RequestClass:
         output_tokens=parse_dist(d["output_tokens"], where.at("output_tokens")),
         priority=_int(d.get("priority", 0), where.at("priority")),
         tenant=_name(d.get("tenant", "default"), where.at("tenant")),
+        prefix_tokens=_int(d.get("prefix_tokens", 0), where.at("prefix_tokens"), 0),
+        turns=_int(d.get("turns", 1), where.at("turns"), 1),
     )
 
 
