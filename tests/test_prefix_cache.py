@@ -118,6 +118,15 @@ def test_engines_of_different_models_hash_apart(tiny_model_dir):
     assert a.scheduler.kv.prefix.hashes(r, 2) != b.scheduler.kv.prefix.hashes(r, 2)
 
 
+def test_caching_off_counts_what_a_cache_would_have_reused(tiny_model_dir):
+    """The hint's evidence: with caching off, step records count the repeated prefix tokens."""
+    off = engine(tiny_model_dir, caching=False)
+    waves(off, shared_prompts())
+    recs = off.telemetry.recent()
+    assert sum(s.num_prefix_repeat_tokens for s in recs) == 3 * 24 and not any(s.prefix_caching for s in recs)
+    assert off.prefix_cache_status()["repeat_tokens"] == 72 and hits(off) == 0
+
+
 def test_reset_drops_the_cache(tiny_model_dir):
     eng = engine(tiny_model_dir)
     ps = shared_prompts(2)

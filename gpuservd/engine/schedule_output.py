@@ -67,6 +67,11 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.chunks
 
+    def count_prefix_lookup(self, queried: int, hit: int, repeated: int) -> None:
+        self.num_prefix_query_tokens += queried
+        self.num_prefix_hit_tokens += hit
+        self.num_prefix_repeat_tokens += repeated
+
 
 @dataclass(frozen=True)
 class KVLayout:

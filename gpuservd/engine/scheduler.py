@@ -122,8 +122,11 @@ class Scheduler:
         kind = self._plan(victim, need)
         move = None
         if kind in (MoveKind.SWAP, MoveKind.PARTIAL_SWAP):
-            keep = self.keep_layers if kind is MoveKind.PARTIAL_SWAP else 0
-            move, freed = self.kv.swap_out(victim, keep)
+            if kind is MoveKind.PARTIAL_SWAP:
+                move, freed = self.kv.park(victim, self.keep_layers)
+                kind = MoveKind.PARTIAL_SWAP if move.park_blocks else MoveKind.SWAP  # too few unshared blocks
+            else:
+                move, freed = self.kv.swap_out(victim)
             out.moves.append(move)
             victim.state = RequestState.SWAPPED
             tokens = 0
@@ -387,7 +390,7 @@ class Scheduler:
             if not self._resume(out, req, num_new, prefix):
                 return
             if fresh:
-                self._count_lookup(out, req, prefix)
+                out.count_prefix_lookup(*self.kv.prefix.count_admission(req, prefix))
             self.waiting.remove(req)
             if pinned:
                 reserved += max(0, self._total_blocks(req) - self.kv.num_table_blocks(req))
@@ -433,12 +436,6 @@ class Scheduler:
             need -= held
             self._drop_paused(r)
         return need <= 0
-
-    def _count_lookup(self, out: SchedulerOutput, req: Request, prefix) -> None:
-        queried, hit, repeated = self.kv.prefix.count_admission(req, prefix)
-        out.num_prefix_query_tokens += queried
-        out.num_prefix_hit_tokens += hit
-        out.num_prefix_repeat_tokens += repeated
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens

@@ -238,7 +238,8 @@ class KVCacheManager:
         return move, freed
 
     def park(self, request, keep_layers: int) -> tuple[KVMove, int]:
-        """Partial swap: `swap_out` keeping the last keep_layers layers on the device."""
+        """Partial swap: `swap_out` keeping the last keep_layers layers parked on the device (every layer
+        goes to the host when the request alone holds too few blocks to park them in: no park blocks)."""
         return self.swap_out(request, keep_layers)
 
     def swap_in(self, request, num_new: int) -> KVMove | None:
