@@ -25,3 +25,5 @@ def test_smoke_run_writes_steps_json(tmp_path, ops):
     assert runs[0]["output_tokens"] == runs[1]["output_tokens"] > 0  # every request ran to its length
     assert all(r["decode_path"] == "eager" for r in runs)  # graphs asked for on a CPU: reported fallback
     assert "| tiny-shape | 3 | 24 |" in (out / "result.md").read_text()
+    (mixed,) = result["mixed"]
+    assert mixed["one_eager_batch_ms"] > 0 and mixed["prefill_eager_plus_decode_graph_ms"] > 0

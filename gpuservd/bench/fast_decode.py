@@ -14,6 +14,10 @@ For each (batch, context) point, one decode step of `batch` sequences with `cont
   per layer, SDPA) captured in one graph, gpt-fast style: what this GPU does with no paging at all;
 - floor_ms: (weight bytes + KV bytes read) / the device copy bandwidth measured in this run.
 
+A mixed step (one prefill chunk beside decode rows) is timed both ways: one eager batch, as the engine
+runs it, and the chunk eagerly followed by the decode rows through their graph (cuda_graphs.py says
+why the engine keeps the first).
+
 Each time is the median wall time of repeated steps, each ending in a host copy of the chosen ids
 (what a serving step must wait for). On the CPU (`--device cpu --smoke`: tiny sizes) there are no
 graphs: graph_ms and ceiling_ms are then the fixed-shape and static paths run eagerly, so the script
@@ -246,6 +250,33 @@ def measure_points(name: str, runner: ModelRunner, points, iters: int, bandwidth
     return rows
 
 
+def mixed_step(runner: ModelRunner, decode_rows: int, context: int, chunk: int, iters: int) -> dict:
+    """A step that carries one prefill chunk beside decode rows, two ways: as one eager batch (what the
+    engine does) and split (the chunk eagerly, then the decode rows through their graph)."""
+    dev = runner.device
+    rows = decode_chunks(decode_rows + 1, context, runner.cache.num_blocks, seed=11)
+    decode, pre = rows[:decode_rows], rows[decode_rows]
+    start = context - chunk
+    prefill = SeqChunk(list(range(3, 3 + chunk)), start, pre.block_ids, True)
+    step = runner.decode_step
+
+    def one_batch():
+        saved, runner.decode_step = runner.decode_step, None
+        try:
+            return torch.argmax(runner.execute([prefill] + decode), -1).tolist()
+        finally:
+            runner.decode_step = saved
+
+    def split():
+        torch.argmax(runner.execute([prefill]), -1)
+        return step.run(decode).chosen.tolist()
+
+    return {"decode_rows": decode_rows, "context": context, "prefill_tokens": chunk,
+            "one_eager_batch_ms": round(median_ms(one_batch, dev, iters), 4),
+            "prefill_eager_plus_decode_graph_ms": round(median_ms(split, dev, iters), 4),
+            "decode_path": step.last_path}
+
+
 def greedy_agreement(cfg_dir: Path, shape: LlamaShape, device: str, dtype: str, num_prompts: int,
                      max_tokens: int) -> dict:
     """Greedy tokens of the graph path against the eager fixed-shape step (the same shapes: must be equal)
@@ -336,6 +367,8 @@ def write_results(out: Path, result: dict) -> None:
         ratio = f"{r['graph_ms'] / r['ceiling_ms']:.2f}" if r["graph_ms"] and r["ceiling_ms"] else "-"
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['eager_ms']} | {r['fixed_ms']} | "
                      f"{r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['ceiling_ms']} | {r['floor_ms']} | {ratio} |")
+    lines += ["", "mixed steps (one prefill chunk beside decode rows):"]
+    lines += [f"- {json.dumps(m)}" for m in result.get("mixed", [])]
     lines += ["", f"greedy: {json.dumps(result.get('greedy'))}", "", "throughput:"]
     lines += [f"- {json.dumps(t)}" for t in result.get("throughput", [])]
     (out / "result.md").write_text("\n".join(lines) + "\n")
@@ -374,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
             blocks = max(b * -(-c // BLOCK_SIZE) for b, c in points) + 8
             runner = make_runner(dirs[name], shape, args.device, dtype, blocks * block_bytes(shape, dtype), max_len)
             result["steps"] += measure_points(name, runner, points, iters, bw, log)
+            mixed = mixed_step(runner, *((3, 24, 8) if smoke else (32, 512, 256)), iters=iters)
+            result.setdefault("mixed", []).append({"model": name, **mixed})
+            log(f"{name} mixed step: {mixed}")
             del runner
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -27,9 +27,8 @@ with the prefill tokens (at decode batch sizes each layer is a pass over its
 weights; two passes, one per part, would read the weights twice), and a step
 that carries a prefill chunk is dominated by that chunk's matrix work, so the
 launches a graph saves are a small share of it. (vLLM's piecewise graphs and
-SGLang's decode-only graphs make the same split of roles.) The choice is
-measured on the device by scripts/bench_fast_decode.py's throughput run,
-where mixed steps occur.
+SGLang's decode-only graphs make the same split of roles.) The benchmark
+(gpuservd/bench/fast_decode.py) times one such step both ways on the device.
 
 What cannot live inside one graph, and what happens instead:
 - The sharing arbiter's per-layer yields (time slices between models) are

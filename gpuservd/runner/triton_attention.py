@@ -33,6 +33,8 @@ tests do this).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,12 @@ import triton.language as tl
 MAX_PARTS = 16  # partitions per sequence, at most
 PART_MIN_TOKENS = 256  # a partition covers at least this many context tokens (fewer: merge costs more)
 MIN_TILE_ROWS = 16  # tl.dot's smallest tile side: small GQA groups are padded with masked rows
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    """Multiprocessors of CUDA device `index` (asked once: every layer of every step needs it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_partitions(max_ctx_tokens: int, batch: int, kv_heads: int, num_sms: int = 132) -> int:
@@ -153,7 +161,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_heads % kv_heads or q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged_decode: heads must be a multiple of kv heads, head_dim contiguous")
     if num_parts is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
         num_parts = num_partitions(block_table.shape[1] * block_size, b, kv_heads, sms)
     if out is None:
         out = torch.empty_like(q)
