@@ -7,27 +7,24 @@ import asyncio
 import sys
 from pathlib import Path
 
-from console.app import DEFAULT_HZ, MAX_HZ
+from console.app import ConsoleApp, DEFAULT_HZ, MAX_HZ
+from console.feed import record as do_record
+from console.widgets import SCREENS
+from gpuservd.errors import UserError
 
 
 def run(socket: str | Path | None = None, replay: Path | None = None, record: Path | None = None,
         seconds: float = 30.0, refresh_hz: float = DEFAULT_HZ, screen: str = "dashboard") -> None:
     """Open the console on the daemon at `socket` (or a recording), or record what it would see."""
-    from console.widgets import SCREENS
-    from gpuservd.errors import UserError
-
     names = [name for _, name, _ in SCREENS]
     if screen not in names:
         raise UserError(f"--screen {screen!r} is unknown; choose one of: {', '.join(names)}")
     if replay is not None and not Path(replay).is_file():
         raise UserError(f"no recording at {replay}")
     if record is not None:
-        from console.feed import record as do_record
-
         n = asyncio.run(do_record(record, socket, seconds))
         print(f"recorded {n} lines into {record}", file=sys.stderr)
         return
-    from console.app import ConsoleApp
 
     app = (ConsoleApp.replay(replay, refresh_hz=refresh_hz, start=screen) if replay is not None
            else ConsoleApp.live(socket, refresh_hz=refresh_hz, start=screen))
@@ -44,7 +41,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--screen", default="dashboard",
                    choices=["dashboard", "requests", "models", "partitions", "events"])
     a = p.parse_args(argv)
-    from gpuservd.errors import UserError
 
     try:
         run(a.socket, a.replay, a.record, a.seconds, a.refresh, a.screen)

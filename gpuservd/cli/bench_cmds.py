@@ -1,5 +1,5 @@
 """`gpuserv bench`: a group whose own options still run a workload (`gpuserv bench -w FILE ...`, the
-promised form), plus `gpuserv bench sweep --model M` (the batch-size sweep, S9).
+promised form), plus `gpuserv bench sweep --model M` (the batch-size sweep).
 
 The group is invoked without a subcommand for the workload form, so every
 option `bench` ever took is still an option of `bench` itself; `--workload`
@@ -16,6 +16,7 @@ import typer
 
 from gpuservd.bench.output import run_dir
 from gpuservd.cli import daemon_cmds, remote
+from gpuservd.config import check_device
 from gpuservd.errors import UserError
 
 app = typer.Typer(help="Benchmarks: replay a workload (-w FILE), or `sweep`, `cold-start`, `cache-trace`, `variant-load`, `isolation`.",
@@ -54,7 +55,7 @@ def bench(
         ctx.fail(f"Missing option {param.get_error_hint()}.")  # click's usage error, exit 2, as before
     if target not in ("inprocess", "socket"):
         raise UserError(f"--target must be inprocess or socket, got {target!r}")
-    from gpuservd.bench.report import markdown
+    from gpuservd.bench.report import markdown  # benchmark code loads torch/numpy: only when this command runs
 
     if target == "socket":
         if config is not None or compare or alone_without or repeats != 1:
@@ -63,6 +64,7 @@ def bench(
         typer.echo(markdown(remote.bench_socket(workload, socket, out, model,
                                                 log=lambda m: typer.echo(m, err=True))))
         return
+    # benchmark code loads torch/numpy: only when this command runs
     from gpuservd.bench.run import parse_peers, run_bench
 
     result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True),
@@ -93,6 +95,7 @@ def sweep(
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-sweep-<model>)."),
 ) -> None:
     """Decode throughput by batch size: find the plateau and recommend max_num_seqs (decode- and prefill-heavy)."""
+    # benchmark code loads torch/numpy: only when this command runs
     from gpuservd.bench.sweep import markdown, run_sweep
 
     try:
@@ -114,11 +117,11 @@ def cold_start(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
 ) -> None:
-    """Cold time to first token from disk: full vs layered vs layered + INT8 (M4, M5), and INT8 quality.
+    """Cold time to first token from disk: full vs layered vs layered + INT8, and INT8 quality.
     --model isolation-small is SmolLM2's shape with random weights (made on first use) where SmolLM2
     cannot be pulled."""
+    # benchmark code loads torch/numpy: only when this command runs
     from gpuservd.bench.cold import markdown, run_cold_start
-    from gpuservd.config import check_device
 
     check_device(device, "--device")
     result = run_cold_start(model, run_dir(out, f"cold-{model}"), prompt_tokens, initial_layers, repeats, threads,
@@ -133,7 +136,8 @@ def cache_trace(
     seed: int = typer.Option(0, "--seed", help="Trace seed."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cache-trace)."),
 ) -> None:
-    """Weight-cache hit rate on a 32-model trace: LRU, LRU + prefetch and Belady's optimum (M3, M9)."""
+    """Weight-cache hit rate on a 32-model trace: LRU, LRU + prefetch and Belady's optimum."""
+    # benchmark code loads torch/numpy: only when this command runs
     from gpuservd.bench.cache_trace import markdown, run_cache_trace
 
     typer.echo(markdown(run_cache_trace(run_dir(out, "cache-trace"), _batches(sizes), requests, seed)))
@@ -147,7 +151,8 @@ def variant_load(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-variant-<model>)."),
 ) -> None:
-    """Loading a variant whose base is resident (M6): bytes and time against a full load."""
+    """Loading a variant whose base is resident: bytes and time against a full load."""
+    # benchmark code loads torch/numpy: only when this command runs
     from gpuservd.bench.variant_load import markdown, run_variant_load
 
     typer.echo(markdown(run_variant_load(model, run_dir(out, f"variant-{model}"), rank, repeats, threads, log=lambda m: typer.echo(m, err=True))))
@@ -171,9 +176,9 @@ def isolation(
     overhead_s: float = typer.Option(15.0, "--overhead-seconds", min=2.0, help="Seconds per quantum measured."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-isolation)."),
 ) -> None:
-    """Two models on one device (G5): the small model's P99 alone, naive and under the arbiter; time-slice overhead (G2)."""
+    """Two models on one device: the small model's P99 alone, naive and under the arbiter; time-slice overhead."""
+    # benchmark code loads torch/numpy: only when this command runs
     from gpuservd.bench.isolation import IsolationSpec, markdown, run_isolation
-    from gpuservd.config import check_device
 
     check_device(device, "--device")
 

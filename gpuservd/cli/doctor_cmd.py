@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from gpuservd.cli import daemon_cmds
+from gpuservd.doctor import run_checks
 
 MARKS = {"ok": "ok", "info": "info", "skip": "skip", "warn": "WARN", "critical": "CRIT"}
 
@@ -19,8 +20,6 @@ MARKS = {"ok": "ok", "info": "info", "skip": "skip", "warn": "WARN", "critical":
 def doctor(socket: Optional[Path] = daemon_cmds.SocketOpt, as_json: bool = daemon_cmds.JsonOpt) -> None:
     """Check Python, torch and CUDA, the driver and NVML, green contexts, MPS, disk, socket, systemd and the
     daemon; list the active hints. Exit 0 healthy, 1 warnings, 2 critical."""
-    from gpuservd.doctor import run_checks
-
     report = run_checks(socket)
     if as_json:
         typer.echo(json.dumps(report, indent=2))

@@ -15,6 +15,8 @@ from typing import Optional
 import typer
 
 from gpuservd.cli import bench_cmds, daemon_cmds, doctor_cmd, plan_cmd, record_cmd, remote, store_cmds, top_cmd
+from gpuservd.cli.chat_loop import chat_loop
+from gpuservd.config import load_config
 from gpuservd.errors import UserError
 
 app = typer.Typer(
@@ -52,7 +54,7 @@ def pull(
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed, stop):
-    from gpuservd.engine.request import SamplingParams
+    from gpuservd.engine.request import SamplingParams  # the engine (torch) only for --local
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop or [])
@@ -62,8 +64,7 @@ def _sampling(max_tokens, temperature, top_p, top_k, seed, stop):
 
 
 def _engine(model: str, config: Optional[Path]):
-    from gpuservd.config import load_config
-    from gpuservd.engine.engine import LLMEngine
+    from gpuservd.engine.engine import LLMEngine  # the engine (torch) only for --local
 
     cfg = load_config(config)
     cfg.model = model
@@ -101,7 +102,7 @@ def generate(
         params = _remote_params(max_tokens, temperature, top_p, top_k, seed, stop, config)
         remote.generate_remote(socket, model, prompt, raw, params)
         return
-    from gpuservd.engine.tokenizer import encode_chat, encode_raw
+    from gpuservd.engine.tokenizer import encode_chat, encode_raw  # the engine (torch) only for --local
 
     params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop)
     engine = _engine(model, config)
@@ -127,9 +128,7 @@ def chat(
         params = _remote_params(max_tokens, temperature, 1.0, 0, None, None, config)
         remote.chat_remote(socket, model, system, params)
         return
-    from gpuservd.engine.tokenizer import encode_chat
-
-    from gpuservd.cli.chat_loop import chat_loop
+    from gpuservd.engine.tokenizer import encode_chat  # the engine (torch) only for --local
 
     params = _sampling(max_tokens, temperature, 1.0, 0, None, None)
     engine = _engine(model, config)

@@ -1,4 +1,4 @@
-"""`gpuserv plan [--hardware NAME] [--profile FILE] [--json]`: the SM partitions and memory quotas (G1, G3).
+"""`gpuserv plan [--hardware NAME] [--profile FILE] [--json]`: the SM partitions and memory quotas.
 
 FILE is YAML with a `sharing:` section. A file holding only that section plans exactly the models
 it lists, with the engine's default settings for any term it leaves out; any other file is read as a
@@ -16,6 +16,8 @@ from typing import Optional
 
 import typer
 
+from gpuservd.config import EngineConfig, read_yaml_file
+from gpuservd.daemon_config import daemon_config_from_dict, load_daemon_config
 from gpuservd.errors import UserError
 
 GB = 1e9
@@ -23,8 +25,7 @@ GB = 1e9
 
 def load_profile(profile: Optional[Path]):
     """(sharing config, engine config, models, where, daemon config or None) from FILE or the daemon's config."""
-    from gpuservd.config import EngineConfig, read_yaml_file
-    from gpuservd.daemon_config import daemon_config_from_dict, load_daemon_config
+    # only for `gpuserv plan`: keeps every other command's start light
     from gpuservd.sharing.config import sharing_from_dict
 
     if profile is not None:
@@ -46,6 +47,7 @@ def load_profile(profile: Optional[Path]):
 
 
 def resolve_hardware(name: Optional[str], sharing, engine, cfg):
+    # only for `gpuserv plan`: keeps every other command's start light
     from gpuservd.sharing.hardware import hardware_from_device, list_hardware, load_hardware
 
     profiles_dir = cfg.server.profiles_dir if cfg is not None else None
@@ -116,7 +118,8 @@ def plan(
                                            "works); default: the daemon's config."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
-    """Plan SM partitions per model group and per-model memory quotas (MISSION G1, G3)."""
+    """Plan SM partitions per model group and per-model memory quotas."""
+    # only for `gpuserv plan`: keeps every other command's start light
     from gpuservd.sharing.planner import plan as make_plan
 
     sharing, engine, models, where, cfg = load_profile(profile)

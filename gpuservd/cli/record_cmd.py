@@ -18,7 +18,7 @@ def record(
     socket: Optional[Path] = daemon_cmds.SocketOpt,
 ) -> None:
     """Record live traffic (arrival times, models, lengths, tenants, priorities) for `gpuserv bench -w FILE`."""
-    from gpuservd.bench.record import record as run
+    from gpuservd.bench.record import record as run  # numpy: only when recording
 
     rec = run(daemon_cmds._client(socket), out, seconds, with_prompts, log=lambda m: typer.echo(m, err=True))
     models = ", ".join(f"{m} {n}" for m, n in sorted(rec.models.items())) or "none"

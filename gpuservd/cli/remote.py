@@ -19,7 +19,7 @@ import typer
 from gpuservd.api.client import Client, DaemonUnavailable
 from gpuservd.cli.chat_loop import chat_loop
 from gpuservd.errors import UserError
-
+from gpuservd.store.store import ModelStore
 
 
 def _no_daemon(exc: DaemonUnavailable) -> UserError:
@@ -59,11 +59,10 @@ def chat_remote(socket: Optional[Path], model: str, system: Optional[str], param
 def bench_socket(workload_path: Path, socket: Optional[Path], out_dir: Optional[Path], model: Optional[str],
                  log=print) -> dict:
     """`gpuserv bench --target socket`: the workload through a running daemon's HTTP socket, same report."""
-    from gpuservd.bench.socket_run import run_socket
+    from gpuservd.bench.socket_run import run_socket  # numpy and the tokenizer: only for bench --target socket
     from gpuservd.bench.report import write_report
     from gpuservd.bench.workload import load_workload
     from gpuservd.engine.tokenizer import load_tokenizer
-    from gpuservd.store.store import ModelStore
 
     workload = load_workload(workload_path)
     name = model or workload.model

@@ -10,10 +10,10 @@ from typing import Optional
 
 import typer
 
+from gpuservd import systemd_units
 from gpuservd.errors import UserError
 
 app = typer.Typer(help="systemd unit files.", no_args_is_help=True, add_completion=False)
-
 
 
 def _gpuservd_path() -> str:
@@ -34,8 +34,6 @@ def systemd_install(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the units instead of writing them."),
 ) -> None:
     """Write gpuservd.service and gpuservd.socket (and, for the system, the gpuserv user's sysusers file)."""
-    from gpuservd import systemd_units
-
     exec_path = exec_path or _gpuservd_path()
     files = {"gpuservd.service": systemd_units.service(exec_path, user), "gpuservd.socket": systemd_units.socket_unit(user)}
     if dry_run:

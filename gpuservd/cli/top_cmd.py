@@ -22,7 +22,7 @@ def top(
                                "partitions or events."),
 ) -> None:
     """The operations console: per-step latency, requests, models, events, live over the socket (also `python -m console`)."""
-    from console.cli import run
+    from console.cli import run  # Textual only when the console opens
 
     run(socket, replay, record, seconds, refresh, screen)
 
