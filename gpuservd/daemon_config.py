@@ -33,6 +33,7 @@ class ServerConfig:
     models: list = field(default_factory=lambda: ["smollm2"])  # loaded at start
     max_queued_per_model: int = 256  # admitted requests without a first token yet, per model; more -> 429
     max_queued_per_tenant: int = 128  # the same per tenant (tenants.yaml may set its own)
+    max_n: int = 16  # choices one request may ask for (n, best_of); each is an engine request; more -> 400
     drain_timeout: float = 30.0  # seconds a drain waits for in-flight requests before aborting them
     admission_window_ms: float = 5.0  # an idle engine waits up to this for a burst's other requests (0 = off)
     profiles_dir: str = ""  # "" = $GPUSERV_PROFILES, /etc/gpuserv/profiles or the source tree's profiles/
@@ -46,7 +47,7 @@ class ServerConfig:
     def validate(self) -> None:
         if not isinstance(self.models, list) or any(not isinstance(m, str) or not m for m in self.models):
             raise UserError(f"server.models must be a list of model names, got {self.models!r}")
-        for name in ("max_queued_per_model", "max_queued_per_tenant", "event_queue_size", "backlog"):
+        for name in ("max_queued_per_model", "max_queued_per_tenant", "max_n", "event_queue_size", "backlog"):
             if getattr(self, name) < 1:
                 raise UserError(f"server.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.admission_window_ms <= 100:
@@ -107,7 +108,7 @@ class ServerConfig:
 
 # Re-read on SIGHUP and applied at once; the rest needs a restart (listening sockets) or
 # applies at the next model load (the engine section).
-HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "drain_timeout", "admission_window_ms",
+HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "max_n", "drain_timeout", "admission_window_ms",
               "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions")
 
 

@@ -21,6 +21,9 @@ class FieldError(UserError):
         super().__init__(message)
         self.param = param  # the request field to name, e.g. "logit_bias" or "response_format"
 
+    def __reduce__(self):  # crosses to the daemon from an engine worker process with its field
+        return (type(self), (str(self), self.param))
+
 
 class ModelNotFound(UserError):
     """The named model is not in the store."""

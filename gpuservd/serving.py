@@ -21,7 +21,7 @@ from gpuservd import __version__
 from gpuservd.api.protocol import GenerationRequest
 from gpuservd.api.status import DaemonStatus, ModelStatus
 from gpuservd.daemon_config import DaemonConfig
-from gpuservd.engine.request import SamplingParams
+from gpuservd.engine.request import GuidedSpec, SamplingParams
 from gpuservd.engine.tokenizer import encode_chat, encode_raw
 from gpuservd.engine_loop import Accepted, EngineGone, Failed, Submission
 from gpuservd.errors import (Draining, EngineFailed, InvalidRequest, ModelNotServed, ModelUnavailable,
@@ -147,7 +147,8 @@ class Serving:
     def _encode(self, slot: ModelSlot, greq: GenerationRequest) -> list[int]:
         """Token ids of the prompt (runs on the model's encoder thread)."""
         if greq.kind == "chat":
-            return encode_chat(slot.tokenizer, greq.messages)
+            tools = greq.tools if greq.tool_choice != "none" else None
+            return encode_chat(slot.tokenizer, greq.messages, tools, greq.chat_template_kwargs)
         if greq.prompt_token_ids is not None:
             return greq.prompt_token_ids
         return encode_raw(slot.tokenizer, greq.prompt)
@@ -159,9 +160,8 @@ class Serving:
             if max_tokens < 1:
                 raise InvalidRequest(f"the messages take {num_prompt_tokens} tokens and fill the context "
                                      f"length {slot.max_model_len}; shorten them", "messages")
-        return SamplingParams(max_tokens=max_tokens, temperature=greq.temperature, top_k=greq.top_k,
-                              top_p=greq.top_p, seed=greq.seed, stop=list(greq.stop), ignore_eos=greq.ignore_eos,
-                              detokenize=greq.detokenize)
+        guided = GuidedSpec(**greq.guided) if greq.guided else None
+        return SamplingParams(max_tokens=max_tokens, guided=guided, **greq.sampling_kwargs())
 
     # ---- requests ---------------------------------------------------------------------------------
     async def start(self, greq: GenerationRequest, ctx: RequestContext) -> ActiveRequest:
@@ -225,7 +225,8 @@ class Serving:
             if first.internal:
                 raise EngineFailed(ctx.request_id)
             msg = str(first.error)
-            param = "max_tokens" if "max_tokens" in msg else ("prompt" if greq.kind == "completion" else "messages")
+            param = getattr(first.error, "param", None) or (
+                "max_tokens" if "max_tokens" in msg else ("prompt" if greq.kind == "completion" else "messages"))
             raise PromptTooLong(msg, param) if "context" in msg else InvalidRequest(msg, param)
 
     def _dequeued(self, active: ActiveRequest) -> None:

@@ -1,5 +1,9 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models.
 
+A request with n > 1 or best_of runs one engine request per choice
+(choices.py renders each); best_of returns the n with the highest summed
+logprob. Usage counts the prompt once and every choice's tokens.
+
 A stream ends with `data: [DONE]`; with `stream_options.include_usage` the
 chunk before it carries the usage. A client that goes away mid-request (stream
 or not) has its request aborted at once, so its KV blocks are free within one
@@ -11,49 +15,87 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gpuservd.api import protocol, responses
+from gpuservd.api.choices import Choice
 from gpuservd.api.errors import to_api_error
 from gpuservd.api.http import StreamResponse, endpoint, request_context
+from gpuservd.api.protocol import GenerationRequest
 from gpuservd.errors import ServingError
 from gpuservd.request_stream import ActiveRequest
 from gpuservd.serving import Serving
 
 
-def _token_ids(outs) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
+async def _start_all(serving: Serving, greq: GenerationRequest, ctx) -> list[ActiveRequest]:
+    """Admit one engine request per choice (same prompt; the KV cache shares its blocks between them).
+    Choice i > 0 runs as `<request id>-i`, with seed + i when a seed is set. All or none are admitted."""
+    rank = greq.best_of is not None and greq.best_of > greq.n and greq.logprobs is None
+    subs = []
+    for i in range(greq.num_choices):
+        sub = replace(greq, seed=None if greq.seed is None else greq.seed + i,
+                      logprobs=0 if rank else greq.logprobs)  # best_of ranks by the summed logprobs
+        subs.append((sub, ctx if i == 0 else replace(ctx, request_id=f"{ctx.request_id}-{i}")))
+    if len(subs) == 1:
+        return [await serving.start(*subs[0])]
+    started = await asyncio.gather(*(serving.start(g, c) for g, c in subs), return_exceptions=True)
+    failed = next((r for r in started if isinstance(r, BaseException)), None)
+    if failed is not None:
+        for r in started:
+            if isinstance(r, ActiveRequest):
+                r.close()
+        raise failed
+    return list(started)
 
 
-async def _events(active: ActiveRequest, created: int):
-    """SSE body of a streaming request."""
-    g = active.greq
-    kind, rid, model = g.kind, active.ctx.request_id, g.model
-    usage = g.include_usage
-    ids = g.return_token_ids
-    encoder = responses.ChunkEncoder(kind, rid, model, created, ids, usage)
+async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, created: int):
+    """SSE body of a streaming request: the choices' chunks as they come, then usage and [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice):
+        try:
+            async for outs in c.active.batches():
+                await queue.put((c, outs))
+        except ServingError as exc:  # the engine failed mid-stream: the status line is long gone
+            await queue.put((c, to_api_error(exc)))
+        await queue.put((c, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
     try:
-        if kind == "chat":
-            yield responses.sse(responses.stream_chunk(kind, rid, model, created, "", role=True, include_usage=usage))
-        async for outs in active.batches():
-            text = "".join(o.new_text for o in outs)
-            finish = outs[-1].finish_reason.value if outs[-1].finished and outs[-1].finish_reason else None
-            toks = _token_ids(outs)
-            if text or finish or (ids and toks):
-                yield encoder.encode(text, finish, toks)
-        if usage:
-            yield responses.sse(responses.usage_chunk(kind, rid, model, created, active.num_prompt_tokens,
-                                                    active.num_output_tokens))
-    except ServingError as exc:  # the engine failed mid-stream: the status line is long gone
-        yield responses.sse(to_api_error(exc).body())
+        for c in choices:
+            opening = c.opening()
+            if opening is not None:
+                yield opening
+        left = len(choices)
+        while left:
+            c, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif not isinstance(item, list):
+                yield responses.sse(item.body())
+            else:
+                data = c.chunk(item)
+                if data is not None:
+                    yield data
+        if greq.include_usage:
+            yield responses.sse(responses.usage_chunk(greq.kind, rid, greq.model, created, *_usage(choices)))
+    finally:
+        for t in tasks:
+            t.cancel()
     yield responses.SSE_DONE
 
 
-async def _collect(active: ActiveRequest, request: Request) -> dict:
-    """Run a non-streaming request to the end; abort it if the client goes away meanwhile."""
+def _usage(choices: list[Choice]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens): the prompt counts once, every choice's output counts."""
+    return choices[0].active.num_prompt_tokens, sum(c.active.num_output_tokens for c in choices)
+
+
+async def _collect(choices: list[Choice], request: Request) -> None:
+    """Run every choice to the end; abort them all if the client goes away meanwhile."""
     disconnected = False
 
     async def watch():
@@ -62,37 +104,55 @@ async def _collect(active: ActiveRequest, request: Request) -> dict:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 disconnected = True
-                active.abort()
+                for c in choices:
+                    c.active.abort()
                 return
 
+    async def run(c: Choice):
+        async for outs in c.active.batches():
+            c.add(outs)
+
     watcher = asyncio.ensure_future(watch())
-    text: list[str] = []
-    ids: list[int] = []
     try:
-        async for outs in active.batches():
-            text.extend(o.new_text for o in outs)
-            ids.extend(_token_ids(outs))
+        await asyncio.gather(*(run(c) for c in choices))
     finally:
         watcher.cancel()
-        active.close(disconnected)
-    g = active.greq
-    build = responses.chat_response if g.kind == "chat" else responses.completion_response
-    return build(active.ctx.request_id, g.model, "".join(text), active.finish_reason, active.num_prompt_tokens,
-                 active.num_output_tokens, ids if g.return_token_ids else None)
+        for c in choices:
+            c.active.close(disconnected)
+
+
+def _response(choices: list[Choice], greq: GenerationRequest, rid: str, created: int) -> dict:
+    if greq.best_of is not None and greq.best_of > greq.n:
+        picked = sorted(choices, key=lambda c: c.sum_logprob, reverse=True)[:greq.n]
+        bodies = [c.body(i) for i, c in enumerate(picked)]
+    else:
+        bodies = [c.body() for c in choices]
+    obj = "chat.completion" if greq.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": greq.model, "choices": bodies,
+            "usage": responses.usage(*_usage(choices))}
 
 
 def routes(serving: Serving) -> list[Route]:
     async def generate(request: Request, kind: str):
         body = protocol.parse_json(await request.body())
-        greq = protocol.parse_chat(body) if kind == "chat" else protocol.parse_completion(body)
+        max_n = serving.config.server.max_n
+        greq = protocol.parse_chat(body, max_n) if kind == "chat" else protocol.parse_completion(body, max_n)
         ctx = request_context(request, serving)
-        active = await serving.start(greq, ctx)
+        actives = await _start_all(serving, greq, ctx)
+        greq.model = actives[0].greq.model  # the version the router picked
+        created = int(time.time())
+        choices = [Choice(i, a, a.greq, created, greq.logprobs is not None) for i, a in enumerate(actives)]
         headers = {protocol.REQUEST_ID_HEADER: ctx.request_id}
         if greq.stream:
-            return StreamResponse(_events(active, int(time.time())), on_close=active.close,
+            def close():
+                for a in actives:
+                    a.close()
+
+            return StreamResponse(_events(choices, greq, ctx.request_id, created), on_close=close,
                                   media_type="text/event-stream",
                                   headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await _collect(active, request), headers=headers)
+        await _collect(choices, request)
+        return JSONResponse(_response(choices, greq, ctx.request_id, created), headers=headers)
 
     @endpoint(prefix="cmpl")
     async def completions(request: Request):

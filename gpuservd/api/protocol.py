@@ -1,73 +1,38 @@
-"""The wire protocol: OpenAI-compatible request parsing, response shapes and errors.
+"""The wire protocol: OpenAI-compatible request parsing (errors in errors.py, field policy in fields.py).
 
 Pure data and validation; no torch, no engine, no I/O, so the client, the CLI
-and the console can import it and start fast. Every error a client can cause
-is an `APIError` whose body has OpenAI's shape
-(`{"error": {"message", "type", "param", "code"}}`) and whose message names the
-field and what is expected.
-
-Field policy: the fields OpenAI defines are accepted; the ones we do not
-implement are accepted only at their "off" value (for example
-`presence_penalty: 0`, `logprobs: null`), anything else is a 400 naming the
-field. Unknown fields are refused the way OpenAI refuses them
-("Unrecognized request argument supplied: ..."), so a typo never silently runs
-the defaults. Extensions (vLLM's where one exists): `top_k`, `ignore_eos`,
-`priority`, `return_token_ids`, `detokenize`.
+and the console can import it and start fast. A bad field is a 400 whose
+message names the field and what is expected. Extensions (vLLM's where one
+exists): `top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos`, `priority`, `return_token_ids`, `detokenize`,
+the guided-decoding fields (structured.py) and `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from gpuservd.api import fields, structured
+from gpuservd.api.apierror import (APIError, bad_request, internal_error, model_not_found,  # noqa: F401
+                                 rate_limited, unavailable)
+
+log = logging.getLogger(__name__)
 
 TENANT_HEADER = "x-gpuserv-tenant"  # lets a trusted client name its tenant (see profiles/tenants.yaml)
 REQUEST_ID_HEADER = "x-request-id"  # every response carries the daemon's id for the request
 
 
-class APIError(Exception):
-    """An HTTP error with an OpenAI-shaped body."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status = status  # HTTP status code
-        self.message = message  # one line, says what to fix
-        self.type = type  # OpenAI error type
-        self.param = param  # the offending field, if one
-        self.code = code  # machine-readable code
-        self.headers = headers or {}  # extra response headers (Retry-After)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-def model_not_found(name: str, available: list[str], hint: str = "") -> APIError:
-    names = ", ".join(available) if available else "none"
-    return APIError(404, f"The model `{name}` does not exist or is not loaded; loaded models: {names}.{hint}",
-                    "invalid_request_error", "model", "model_not_found")
-
-
-def rate_limited(message: str, retry_after_s: int) -> APIError:
-    return APIError(429, message, "rate_limit_error", None, "rate_limit_exceeded",
-                    {"Retry-After": str(max(1, int(retry_after_s)))})
-
-
-def unavailable(message: str, code: str = "unavailable", retry_after_s: int | None = None) -> APIError:
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else {}
-    return APIError(503, message, "service_unavailable", None, code, headers)
-
-
-def internal_error(request_id: str) -> APIError:
-    return APIError(500, f"internal error while serving request {request_id}; the daemon log has the details "
-                         f"under that id", "server_error", None, "internal_error")
-
-
 # ---- request parsing ------------------------------------------------------------------------------
+
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions `logprobs`
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat `top_logprobs`
+MAX_N = 16  # the default of server.max_n (choices per request); the daemon passes its own
+
 
 @dataclass
 class GenerationRequest:
@@ -77,50 +42,59 @@ class GenerationRequest:
     model: str  # model name as the client sent it
     prompt: str | None = None  # completion: text prompt
     prompt_token_ids: list[int] | None = None  # completion: pre-tokenized prompt
-    messages: list[dict] | None = None  # chat: [{"role", "content": str}]
+    messages: list[dict] | None = None  # chat: [{"role", "content": str, ...tool_calls / tool_call_id}]
     max_tokens: int | None = None  # None = the rest of the context (chat) ; completions default 16
     temperature: float = 1.0  # OpenAI's default
     top_p: float = 1.0
     top_k: int = 0  # 0 = off (-1 accepted as off, as vLLM)
+    min_p: float = 0.0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: extra stop ids besides EOS
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     priority: int | None = None  # None = the tenant's priority
     ignore_eos: bool = False
     return_token_ids: bool = False  # add "token_ids" to every choice / chunk
     detokenize: bool = True  # False: no text (benchmarks), token ids only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    min_tokens: int = 0
+    logprobs: int | None = None  # None = off; N = each token's logprob and its N most likely alternatives
+    n: int = 1  # choices returned
+    best_of: int | None = None  # completions: generate this many, return the n most likely
+    echo: bool = False  # completions: the prompt text before the output
+    guided: dict | None = None  # {"kind", "value", "field"}: a grammar the output follows (structured.py)
+    tools: list[dict] | None = None  # chat: [{"name", "description", "parameters"}]
+    tool_choice: Any = "none"  # "none" | "auto" | "required" | {"name": ...}
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra variables for the chat template
+
+    @property
+    def num_choices(self) -> int:
+        """Engine requests this body fans out to (n, or best_of when larger)."""
+        return max(self.n, self.best_of or 0)
+
+    def sampling_kwargs(self) -> dict:
+        """The fields of the engine's SamplingParams this request sets (all but max_tokens and guided)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    seed=self.seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                    ignore_eos=self.ignore_eos, detokenize=self.detokenize,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+                    min_tokens=self.min_tokens, logprobs=self.logprobs)
 
 
-# OpenAI fields we accept only at their "off" value: name -> predicate on the value.
-_OFF_VALUES = {
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v in (None, 1, 1.0),
-    "logit_bias": lambda v: v in (None, {}),
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False),
-    "best_of": lambda v: v in (None, 1),
-    "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "functions": lambda v: v in (None, []),
-    "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "modalities": lambda v: v in (None, ["text"]),
-    "audio": lambda v: v is None,
-    "prediction": lambda v: v is None,
-    "web_search_options": lambda v: v is None,
-}
-# Accepted and ignored: bookkeeping fields that do not change the output.
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
-            "prompt_cache_key", "safety_identifier", "verbosity"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "n", "priority", "ignore_eos", "return_token_ids", "detokenize"}
-_COMPLETION_FIELDS = _COMMON | {"prompt"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
-MAX_STOP_STRINGS = 16
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+           "stream", "stream_options", "n", "priority", "ignore_eos", "return_token_ids", "detokenize",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+           "logprobs"} | structured.GUIDED_FIELDS
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                          "chat_template_kwargs"}
+# Chat fields with another meaning in vLLM's chat API: accepted at the neutral value only.
+_CHAT_NEUTRAL = {"echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1)}
 
 
 def _type_name(v: Any) -> str:
@@ -128,7 +102,7 @@ def _type_name(v: Any) -> str:
                                      list: "array", dict: "object"}.get(type(v), type(v).__name__)
 
 
-def _int(body: dict, key: str, lo: int | None = None, default=None) -> int | None:
+def _int(body: dict, key: str, lo: int | None = None, default=None, hi: int | None = None) -> int | None:
     v = body.get(key, default)
     if v is None:
         return default
@@ -136,6 +110,8 @@ def _int(body: dict, key: str, lo: int | None = None, default=None) -> int | Non
         raise bad_request(f"{key} must be an integer, got {_type_name(v)} {json.dumps(v)[:40]}", key, "invalid_type")
     if lo is not None and v < lo:
         raise bad_request(f"{key} must be >= {lo}, got {v}", key)
+    if hi is not None and v > hi:
+        raise bad_request(f"{key} must be <= {hi}, got {v}", key)
     return v
 
 
@@ -160,46 +136,90 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def _common(body: Any, allowed: set[str], kind: str) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}", None, "invalid_type")
-    for key in body:
-        if key in _OFF_VALUES:
-            if not _OFF_VALUES[key](body[key]):
-                raise bad_request(f"{key} is not supported by this server (accepted only at its default)", key,
-                                  "unsupported_value")
-        elif key not in allowed and key not in _IGNORED:
-            raise bad_request(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("model is required and must be a non-empty string (GET /v1/models lists them)", "model",
-                          "invalid_type" if "model" in body else "missing_required_parameter")
-    n = _int(body, "n", 1, 1)
-    if n != 1:
-        raise bad_request(f"n must be 1 (this server returns one choice per request; send {n} requests)", "n",
-                          "unsupported_value")
+def _check_fields(body: dict, allowed: set[str], kind: str) -> None:
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if kind == "chat" and key in _CHAT_NEUTRAL:
+            why = None if _CHAT_NEUTRAL[key](value) else f"{key} is not supported on /v1/chat/completions"
+        else:
+            why = fields.refused(key, value)
+        if why is not None:
+            code = "unknown_parameter" if why.startswith("Unrecognized") else "unsupported_value"
+            raise bad_request(why, key, code)
+        log.debug("ignored request field %s=%s (neutral or bookkeeping)", key, json.dumps(value)[:80])
+
+
+def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
-        stop = []
-    elif isinstance(stop, str):
+        return []
+    if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
         raise bad_request("stop must be a non-empty string or an array of non-empty strings", "stop", "invalid_type")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
-    stream = _bool(body, "stream")
+    return stop
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
     options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise bad_request("stream_options must be an object", "stream_options", "invalid_type")
-        if not stream:
-            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
-        if unknown:
-            raise bad_request(f"stream_options.{sorted(unknown)[0]} is not supported", "stream_options")
-        if not isinstance(options.get("include_usage", False), bool):
-            raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage",
-                              "invalid_type")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options", "invalid_type")
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise bad_request(f"stream_options.{sorted(unknown)[0]} is not supported", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage",
+                          "invalid_type")
+    return bool(options.get("include_usage"))
+
+
+def _token_ids(body: dict, key: str) -> list[int]:
+    v = body.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
+        raise bad_request(f"{key} must be an array of token ids (integers >= 0)", key, "invalid_type")
+    return list(v)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad_request("logit_bias must map token ids to numbers in [-100, 100]", "logit_bias", "invalid_type")
+    out = {}
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            tok = -1
+        if tok < 0 or str(tok) != str(key).strip():
+            raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {json.dumps(key)[:40]}",
+                              "logit_bias", "invalid_type")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key}] must be a number in [-100, 100], got {json.dumps(value)[:40]}",
+                              "logit_bias")
+        out[tok] = float(value)
+    return out
+
+
+def _common(body: Any, allowed: set[str], kind: str, max_n: int) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}", None, "invalid_type")
+    _check_fields(body, allowed, kind)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required and must be a non-empty string (GET /v1/models lists them)", "model",
+                          "invalid_type" if "model" in body else "missing_required_parameter")
+    stream = _bool(body, "stream")
     top_k = _int(body, "top_k", -1, 0)
     req = GenerationRequest(
         kind=kind,
@@ -207,23 +227,36 @@ def _common(body: Any, allowed: set[str], kind: str) -> GenerationRequest:
         temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
+        min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
         seed=_int(body, "seed"),
-        stop=stop,
+        stop=_stop(body),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
         stream=stream,
-        include_usage=bool(options and options.get("include_usage")),
+        include_usage=_stream_options(body, stream),
         priority=_int(body, "priority"),
         ignore_eos=_bool(body, "ignore_eos"),
         return_token_ids=_bool(body, "return_token_ids"),
         detokenize=_bool(body, "detokenize", True),
+        presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", 0.0, 2.0, 1.0, lo_open=True),
+        logit_bias=_logit_bias(body),
+        min_tokens=_int(body, "min_tokens", 0, 0),
+        n=_int(body, "n", 1, 1),
+        guided=structured.parse_guided(body),
     )
+    if req.n > max_n:
+        raise bad_request(f"n must be <= {max_n} (this server's server.max_n), got {req.n}", "n")
     if not req.detokenize and req.stop:
         raise bad_request("stop strings need text: drop stop or set detokenize to true", "stop")
+    if not req.detokenize and req.guided:
+        raise bad_request(f"{req.guided['field']} needs text: set detokenize to true", req.guided["field"])
     return req
 
 
-def parse_completion(body: Any) -> GenerationRequest:
+def parse_completion(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     """Validate a /v1/completions body."""
-    req = _common(body, _COMPLETION_FIELDS, "completion")
+    req = _common(body, _COMPLETION_FIELDS, "completion", max_n)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -240,7 +273,28 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise bad_request("prompt is required: a string or an array of token ids", "prompt",
                           "missing_required_parameter" if prompt is None else "invalid_type")
     req.max_tokens = _int(body, "max_tokens", 1, 16)
+    lp = body.get("logprobs")
+    req.logprobs = None if lp is None or lp is False else _int(body, "logprobs", 0, None, hi=MAX_COMPLETION_LOGPROBS)
+    req.echo = _bool(body, "echo")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs would need the prompt's logprobs, which this server does not compute; "
+                          "drop one of them", "echo", "unsupported_value")
+    req.best_of = _int(body, "best_of", 1, None)
+    if req.best_of is not None:
+        if req.best_of > max_n:
+            raise bad_request(f"best_of must be <= {max_n} (this server's server.max_n), got {req.best_of}", "best_of")
+        if req.best_of < req.n:
+            raise bad_request(f"best_of ({req.best_of}) must be >= n ({req.n})", "best_of")
+        if req.stream and req.best_of > 1:
+            raise bad_request("best_of cannot be used with stream (the best choices are known only at the end)",
+                              "best_of")
+    _check_min_tokens(req)
     return req
+
+
+def _check_min_tokens(req: GenerationRequest) -> None:
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({req.max_tokens})", "min_tokens")
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -258,28 +312,72 @@ def _content_text(content: Any, i: int) -> str:
                       f"messages[{i}].content", "invalid_type")
 
 
-def parse_chat(body: Any) -> GenerationRequest:
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls, checked: [{"id", "type", "function": {"name", "arguments"}}]."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be an array", where, "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", "{}"), str):
+            raise bad_request(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              "\"arguments\": JSON text}}}}", f"{where}[{j}]", "invalid_type")
+        out.append({"id": str(c.get("id", f"call_{j}")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
+    return out
+
+
+def _message(m: Any, i: int) -> dict:
+    if not isinstance(m, dict):
+        raise bad_request(f"messages[{i}] must be an object with role and content", f"messages[{i}]", "invalid_type")
+    role = m.get("role")
+    if role == "developer":
+        role = "system"  # OpenAI's newer name for the system role
+    if role not in ("system", "user", "assistant", "tool"):
+        raise bad_request(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
+                          f"got {json.dumps(role)[:40]}", f"messages[{i}].role")
+    calls = m.get("tool_calls") if role == "assistant" else None
+    content = m.get("content")
+    out = {"role": role, "content": "" if content is None and calls else _content_text(content, i)}
+    if calls:
+        out["tool_calls"] = _tool_calls(calls, i)
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            raise bad_request(f"messages[{i}].tool_call_id is required for a tool message", f"messages[{i}].tool_call_id",
+                              "missing_required_parameter")
+        out["tool_call_id"] = tid
+    return out
+
+
+def parse_chat(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     """Validate a /v1/chat/completions body."""
-    req = _common(body, _CHAT_FIELDS, "chat")
+    req = _common(body, _CHAT_FIELDS, "chat", max_n)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages is required: a non-empty array of {role, content} objects", "messages",
                           "missing_required_parameter" if messages is None else "invalid_type")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object with role and content", f"messages[{i}]",
-                              "invalid_type")
-        role = m.get("role")
-        if role == "developer":
-            role = "system"  # OpenAI's newer name for the system role
-        if role not in ("system", "user", "assistant", "tool"):
-            raise bad_request(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
-                              f"got {json.dumps(role)[:40]}", f"messages[{i}].role")
-        clean.append({"role": role, "content": _content_text(m.get("content"), i)})
-    req.messages = clean
+    req.messages = [_message(m, i) for i, m in enumerate(messages)]
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     req.max_tokens = _int(body, limit, 1, None)
+    if _bool(body, "logprobs"):
+        req.logprobs = _int(body, "top_logprobs", 0, 0, hi=MAX_TOP_LOGPROBS)
+    elif body.get("top_logprobs") not in (None, 0):
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
+    req.chat_template_kwargs = dict(kwargs or {})
+    req.tools, req.tool_choice = structured.parse_tools(body)
+    if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+        if req.guided is not None:
+            raise bad_request(f"tool_choice {json.dumps(req.tool_choice)} already constrains the output; drop "
+                              f"{req.guided['field']}", "tool_choice")
+        from_tools = structured.tool_call_schema(req.tools, req.tool_choice)
+        req.guided = {"kind": "json_schema", "value": json.dumps(from_tools), "field": "tool_choice"}
+    _check_min_tokens(req)
     return req
 
 

@@ -8,7 +8,11 @@ last chunk with no choices carries the usage, as OpenAI sends them.
 from __future__ import annotations
 
 import json
+import math
 import time
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the sampled distribution reports this (as vLLM)
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -38,7 +42,8 @@ def chat_response(request_id: str, model: str, text: str, finish_reason: str | N
 
 def stream_chunk(kind: str, request_id: str, model: str, created: int, text: str | None,
                  finish_reason: str | None = None, token_ids: list[int] | None = None, role: bool = False,
-                 include_usage: bool = False) -> dict:
+                 include_usage: bool = False, index: int = 0, logprobs: dict | None = None,
+                 tool_calls: list[dict] | None = None) -> dict:
     """One SSE chunk; `text=None` with role=True is chat's opening chunk."""
     if kind == "chat":
         delta: dict = {}
@@ -46,10 +51,12 @@ def stream_chunk(kind: str, request_id: str, model: str, created: int, text: str
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -68,12 +75,14 @@ class ChunkEncoder:
 
     _TEXT, _IDS = "@@gpuserv-text@@", "@@gpuserv-ids@@"
 
-    def __init__(self, kind: str, request_id: str, model: str, created: int, token_ids: bool, include_usage: bool):
+    def __init__(self, kind: str, request_id: str, model: str, created: int, token_ids: bool, include_usage: bool,
+                 index: int = 0):
         self.args = (kind, request_id, model, created)
         self.token_ids = token_ids
         self.include_usage = include_usage
+        self.index = index
         chunk = stream_chunk(kind, request_id, model, created, self._TEXT, None,
-                             [self._IDS] if token_ids else None, include_usage=include_usage)
+                             [self._IDS] if token_ids else None, include_usage=include_usage, index=index)
         raw = sse(chunk).decode()
         self._head, rest = raw.split(json.dumps(self._TEXT), 1)
         self._mid, self._tail = rest.split(json.dumps([self._IDS]), 1) if token_ids else (rest, "")
@@ -81,7 +90,7 @@ class ChunkEncoder:
     def encode(self, text: str, finish_reason: str | None = None, token_ids: list[int] | None = None) -> bytes:
         if finish_reason is not None:
             return sse(stream_chunk(*self.args, text, finish_reason, token_ids if self.token_ids else None,
-                                    include_usage=self.include_usage))
+                                    include_usage=self.include_usage, index=self.index))
         if self.token_ids:
             ids = "[" + ",".join(map(str, token_ids or [])) + "]"
             return (self._head + json.dumps(text) + self._mid + ids + self._tail).encode()
@@ -102,3 +111,28 @@ def sse(data: dict | str) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _lp(v: float) -> float:
+    return LOGPROB_FLOOR if math.isinf(v) or v < LOGPROB_FLOOR else v
+
+
+def chat_logprobs(entries: list, token_text) -> dict:
+    """Chat's `logprobs` ({"content": [...]}) of sampler.TokenLogprobs entries; token_text(id) -> str."""
+    def one(tid: int, lp: float) -> dict:
+        t = token_text(tid)
+        return {"token": t, "logprob": _lp(lp), "bytes": list(t.encode("utf-8"))}
+
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list, token_text, offset: int = 0) -> dict:
+    """/v1/completions' `logprobs` (tokens, token_logprobs, top_logprobs, text_offset) from `offset` on."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(token_text(e.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{token_text(t): _lp(v) for t, v in e.top} for e in entries], "text_offset": offsets}

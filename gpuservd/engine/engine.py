@@ -16,6 +16,7 @@ import torch
 from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
 from gpuservd.engine import detokenizer
+from gpuservd.engine.grammar import Grammars
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
@@ -67,6 +68,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(tokenizer, self.runner.arch.vocab_size, self.eos_token_ids)
         self.pool = self.runner.cache.pool
         cache = self.runner.cache
         self.host_pool = HostKVPool(cache.shape, config.preemption.swap_space_bytes, pin=cache.kv.is_cuda)
@@ -165,6 +167,8 @@ class LLMEngine:
             req.arrival_time = arrival_time
         if params.detokenize:
             detokenizer.start(req)
+        if params.guided is not None:
+            self.grammars.start(req)  # a grammar that does not compile: FieldError, nothing held yet
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -378,10 +382,14 @@ class LLMEngine:
         if isinstance(result, DecodeResult) and all(r.params.plain_greedy for r in sampling):
             ids, stops = result.host()  # chosen on the device: one small copy
             sampled = SamplerOutput(ids, [None] * len(ids))
-        elif isinstance(result, DecodeResult):
-            sampled = sample(result.logits, sampling, self.eos_token_ids, greedy_ids=result.greedy)
+        elif sampling:
+            bitmask, masked = self.grammars.fill(sampling)
+            if isinstance(result, DecodeResult):
+                sampled = sample(result.logits, sampling, self.eos_token_ids, bitmask, masked, greedy_ids=result.greedy)
+            else:
+                sampled = sample(result, sampling, self.eos_token_ids, bitmask, masked)
         else:
-            sampled = sample(result, sampling, self.eos_token_ids) if sampling else SamplerOutput([], [])
+            sampled = SamplerOutput([], [])
         now = time.monotonic()
         outputs = []
         for req, tok, lp, stop in zip(sampling, sampled.token_ids, sampled.logprobs, stops):
@@ -413,8 +421,11 @@ class LLMEngine:
         p = req.params
         if stopped is None:
             stopped = (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        # A grammar that is complete (or that the token broke) ends the output here, with the token's text.
+        grammar_done = req.grammar is not None and self.grammars.advance(req, tok)
         if p.detokenize and not stopped:
             stopped = detokenizer.step(self.tokenizer, req, tok) is not None
+        stopped = stopped or grammar_done
         if stopped:
             return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -426,6 +437,7 @@ class LLMEngine:
         req.state = state
         req.finish_reason = reason
         req.finish_time = time.monotonic()
+        self.grammars.release(req)
         return self._output(req, [tok] if tok is not None else [], lp)
 
     def _output(self, req: Request, new_ids: list[int], lp: TokenLogprobs | None = None) -> RequestOutput:
