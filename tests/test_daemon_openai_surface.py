@@ -1,0 +1,230 @@
+"""The OpenAI surface over the real daemon with the `openai` client on the socket, streamed and not:
+logprobs, penalties, logit_bias, min_tokens, seed, n / best_of, echo, stop, usage, structured output
+(20 JSON schemas, guided_* fields), tool calls (two turns) and the router extension fields."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from daemon_harness import DaemonProcess, make_home
+from schemas import SCHEMAS
+
+MSGS = [{"role": "user", "content": "hello there"}]
+EOS = 2  # the tiny tokenizer's <|im_end|>
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                   "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("daemon-surface")
+    d = DaemonProcess(tmp, make_home(tmp, tiny_model_dir), config={"scheduler": {"max_num_seqs": 16},
+                                                                 "server": {"max_n": 4}})
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    from openai import OpenAI
+
+    c = OpenAI(api_key="unused", base_url="http://localhost/v1", max_retries=0,
+               http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120))
+    yield c
+    c.close()
+
+
+def chat(client, stream=False, **kw):
+    kw.setdefault("messages", MSGS)
+    kw.setdefault("max_tokens", 8)
+    if not stream:
+        return client.chat.completions.create(model="tiny", **kw)
+    return list(client.chat.completions.create(model="tiny", stream=True,
+                                               stream_options={"include_usage": True}, **kw))
+
+
+def streamed_text(chunks, index=0) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    r = chat(client, temperature=0, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens
+    for e in lp:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].token == e.token  # greedy: the most likely token is the one taken
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    chunks = chat(client, stream=True, temperature=0, logprobs=True, top_logprobs=3)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in lp]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completion_logprobs_n(client):
+    r = client.completions.create(model="tiny", prompt="the capital of", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    # A token that ends inside a UTF-8 character shows as U+FFFD; the text holds such a tail back.
+    assert "".join(lp.tokens).startswith(r.choices[0].text) and lp.text_offset[0] == 0
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_logit_bias_min_tokens_and_penalties(client):
+    forced = chat(client, temperature=0, logit_bias={"77": 100}, extra_body={"return_token_ids": True})
+    assert set(forced.choices[0].token_ids) == {77}
+    # EOS is biased to the top, but min_tokens holds it back for 4 tokens.
+    r = chat(client, temperature=0, max_tokens=20, logit_bias={str(EOS): 100}, extra_body={"min_tokens": 4})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 5
+    plain = chat(client, temperature=0, max_tokens=16, extra_body={"return_token_ids": True}).choices[0].token_ids
+    pen = chat(client, temperature=0, max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0,
+               extra_body={"repetition_penalty": 1.5, "return_token_ids": True}).choices[0].token_ids
+    assert len(set(pen)) >= len(set(plain)) and pen != plain
+
+
+def test_seed_n_and_stream_usage(client):
+    one = chat(client, temperature=1.0, seed=11, max_tokens=6)
+    three = chat(client, temperature=1.0, seed=11, max_tokens=6, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].message.content == one.choices[0].message.content  # choice i runs with seed + i
+    assert len({c.message.content for c in three.choices}) > 1
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert 3 <= three.usage.completion_tokens <= 18
+    chunks = chat(client, stream=True, temperature=1.0, seed=11, max_tokens=6, n=3)
+    for i in range(3):
+        assert streamed_text(chunks, i) == three.choices[i].message.content
+    assert chunks[-1].usage.completion_tokens == three.usage.completion_tokens
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 3
+
+
+def test_best_of_echo_and_stop(client):
+    r = client.completions.create(model="tiny", prompt="a quick", max_tokens=4, temperature=1.0, seed=5, best_of=3,
+                                  n=1, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None
+    assert r.usage.completion_tokens == 12  # every candidate's tokens count
+    e = client.completions.create(model="tiny", prompt="the capital", max_tokens=3, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt="the capital", max_tokens=3, temperature=0)
+    assert e.choices[0].text == "the capital" + plain.choices[0].text
+    s = list(client.completions.create(model="tiny", prompt="the capital", max_tokens=3, temperature=0, echo=True,
+                                       stream=True))
+    assert "".join(c.choices[0].text for c in s if c.choices) == e.choices[0].text
+    full = plain.choices[0].text
+    if len(full) > 2:
+        cut = client.completions.create(model="tiny", prompt="the capital", max_tokens=3, temperature=0,
+                                        stop=["zzz", "yyy", "xxx", full[1:3]])
+        assert cut.choices[0].text == full[:1] and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_output_validates(client, i):
+    fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
+    stream = i % 2 == 1
+    kw = dict(max_tokens=150, temperature=1.0, seed=i, response_format=fmt)
+    text = streamed_text(chat(client, stream=True, **kw)) if stream else chat(client, **kw).choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMAS[i])
+
+
+def test_guided_fields_and_json_object(client):
+    r = chat(client, max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=20, extra_body={"guided_regex": r"\d{3}-[ab]"})
+    assert len(r.choices[0].text) == 5 and r.choices[0].text[3] == "-"
+    r = chat(client, max_tokens=20, temperature=1.0, seed=1, extra_body={"guided_choice": ["left", "right"]})
+    assert r.choices[0].message.content in ("left", "right")
+    r = chat(client, max_tokens=20, extra_body={"guided_json": {"type": "integer", "minimum": 5, "maximum": 7}})
+    assert 5 <= json.loads(r.choices[0].message.content) <= 7
+    r = chat(client, max_tokens=20, extra_body={"guided_grammar": 'root ::= "ab" [0-9]'})
+    assert r.choices[0].message.content[:2] == "ab" and len(r.choices[0].message.content) == 3
+
+
+def test_tool_calls_round_trip_two_turns(client):
+    first = chat(client, max_tokens=80, tools=TOOLS,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    msg = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and msg.content is None
+    call = msg.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = chat(client, messages=history, max_tokens=8, tools=TOOLS, temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+    # Without tools offered (tool_choice none) the earlier turns still render, as text.
+    third = chat(client, messages=history, max_tokens=4, tools=TOOLS, tool_choice="none", temperature=0)
+    assert third.choices[0].message.tool_calls is None and third.usage.prompt_tokens > len(MSGS[0]["content"])
+
+
+def test_tool_calls_stream_as_deltas(client):
+    chunks = chat(client, stream=True, max_tokens=80, tools=TOOLS, tool_choice="required")
+    deltas = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].function.name in ("get_weather", "add")
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(deltas[0].function.arguments), params[deltas[0].function.name])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    auto = chat(client, max_tokens=6, tools=TOOLS, temperature=0)  # a random model: plain text, no call
+    assert auto.choices[0].message.content is not None and auto.choices[0].finish_reason in ("stop", "length")
+
+
+ROUTER_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                 "continue_final_message": False, "add_generation_prompt": True, "ignore_eos": False,
+                 "include_stop_str_in_output": False, "top_k": -1, "min_p": 0, "return_tokens_as_token_ids": False,
+                 "user": "u1", "chat_template_kwargs": {}, "separate_reasoning": True, "stream_reasoning": True,
+                 "return_hidden_states": False, "include_reasoning": True, "session_params": {"session_id": "s"},
+                 "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": []}
+
+
+def test_router_fields_are_tolerated_and_non_neutral_ones_refused(daemon):
+    with daemon.http() as h:
+        r = h.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 3, **ROUTER_FIELDS})
+        assert r.status_code == 200, r.text
+        r = h.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        r = h.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 5})
+        assert r.status_code == 400 and "server.max_n" in r.json()["error"]["message"]
+        st = h.get("/admin/status").json()
+    tiny = {m["name"]: m for m in st["models"]}["tiny"]
+    assert tiny["kv_blocks_free"] == tiny["kv_blocks_total"]  # every choice's blocks came back
+
+
+@pytest.mark.smollm2
+def test_smollm2_json_schemas_and_a_tool_call(tmp_path_factory, real_store_home):
+    if real_store_home is None:
+        pytest.skip("SmolLM2 is not in the store")
+    from openai import OpenAI
+
+    tmp = tmp_path_factory.mktemp("daemon-smol")
+    d = DaemonProcess(tmp, real_store_home, config={"server": {"models": ["smollm2"]},
+                                                    "engine": {"kv_cache_bytes": "64MiB", "block_size": 16}})
+    try:
+        d.wait_ready(180)
+        c = OpenAI(api_key="unused", base_url="http://localhost/v1", max_retries=0,
+                   http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(d.socket)), timeout=300))
+        for i in (0, 9, 16):
+            fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS[i]}}
+            r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Give me a record."}],
+                                          max_tokens=120, temperature=0, response_format=fmt)
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[i])
+        r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                      max_tokens=80, temperature=0, tools=TOOLS, tool_choice="required")
+        call = r.choices[0].message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments),
+                            {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name])
+        c.close()
+    finally:
+        d.stop()
