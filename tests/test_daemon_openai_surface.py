@@ -140,8 +140,10 @@ def test_json_schema_output_validates(client, i):
 
 
 def test_guided_fields_and_json_object(client):
-    r = chat(client, max_tokens=60, response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # Any object: nothing bounds its strings, and a random model may not close one within max_tokens.
+    r = chat(client, max_tokens=120, response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert isinstance(json.loads(text), dict) if r.choices[0].finish_reason == "stop" else text.startswith("{")
     r = client.completions.create(model="tiny", prompt="x", max_tokens=20, extra_body={"guided_regex": r"\d{3}-[ab]"})
     assert len(r.choices[0].text) == 5 and r.choices[0].text[3] == "-"
     r = chat(client, max_tokens=20, temperature=1.0, seed=1, extra_body={"guided_choice": ["left", "right"]})
@@ -228,3 +230,18 @@ def test_smollm2_json_schemas_and_a_tool_call(tmp_path_factory, real_store_home)
         c.close()
     finally:
         d.stop()
+
+
+def test_client_leaving_an_n_stream_mid_grammar_frees_every_choice(daemon):
+    from daemon_harness import wait_until
+
+    body = {"model": "tiny", "messages": MSGS, "max_tokens": 500, "n": 3, "stream": True, "temperature": 1.0,
+            "guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 400}}
+    with daemon.http() as h, h.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(12)]
+        assert any('"index":2' in line for line in got) or any('"index":1' in line for line in got)
+    wait_until(lambda: daemon.status()["num_in_flight"] == 0, 10, what="the three choices to be aborted")
+    tiny = {m["name"]: m for m in daemon.status()["models"]}["tiny"]
+    assert tiny["kv_blocks_free"] == tiny["kv_blocks_total"]

@@ -144,9 +144,9 @@ def routes(serving: Serving) -> list[Route]:
         choices = [Choice(i, a, a.greq, created, greq.logprobs is not None) for i, a in enumerate(actives)]
         headers = {protocol.REQUEST_ID_HEADER: ctx.request_id}
         if greq.stream:
-            def close():
+            def close(disconnected: bool = False):
                 for a in actives:
-                    a.close()
+                    a.close(disconnected)
 
             return StreamResponse(_events(choices, greq, ctx.request_id, created), on_close=close,
                                   media_type="text/event-stream",

@@ -19,27 +19,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                        prompt_tokens: int, completion_tokens: int, token_ids: list[int] | None = None,
-                        created: int | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "text_completion", "created": created or int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int, token_ids: list[int] | None = None,
-                  created: int | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
-
-
 def stream_chunk(kind: str, request_id: str, model: str, created: int, text: str | None,
                  finish_reason: str | None = None, token_ids: list[int] | None = None, role: bool = False,
                  include_usage: bool = False, index: int = 0, logprobs: dict | None = None,
