@@ -174,7 +174,9 @@ async def test_reconnects_and_says_so_when_the_daemon_restarts(daemon, tmp_path_
         try:
             new.wait_ready()
             await until(pilot, lambda: "restarted" in bar(), what="the console to say it reconnected")
-            assert f"pid {old_pid} -> {new.proc.pid}" in bar() or app.state.connection.pid != old_pid
+            # the message itself, with both pids: the operator reads that the daemon was replaced, and by whom
+            assert f"the daemon restarted (pid {old_pid} -> {new.proc.pid})" in bar(), bar()
+            assert app.state.connection.pid == new.proc.pid != old_pid
             assert app.state.connection.state == "connected"
         finally:
             new.stop()
