@@ -446,10 +446,19 @@ def test_cli_status_generate_requests_against_the_daemon(daemon):
     r = run(app, ["status"], env=env)
     assert r.exit_code == 0 and "tiny" in r.output and "serving" in r.output
     assert "sharing: SM partitions: not enforced (no CUDA device); arbiter: 20 ms slices" in r.output
-    r = run(app, ["generate", "--model", "tiny", "-n", "4", "hello"], env=env)
-    assert r.exit_code == 0, r.output
-    r = run(app, ["generate", "--model", "tiny", "-n", "4", "--raw", "hello"], env=env)
-    assert r.exit_code == 0, r.output
+    # The CLI's reply is the daemon's: the same greedy text the OpenAI routes give for the same prompt
+    # (the chat template without --raw), and the daemon's token count and finish reason on stderr.
+    with daemon.http(timeout=60) as c:
+        chat = c.post(CHAT, json={"model": "tiny", "max_tokens": 4, "temperature": 0,
+                                  "messages": [{"role": "user", "content": "hello"}]}).json()
+        comp = c.post(COMP, json={"model": "tiny", "max_tokens": 4, "temperature": 0, "prompt": "hello"}).json()
+    for args, body, reply in ((["hello"], chat, chat["choices"][0]["message"]["content"]),
+                              (["--raw", "hello"], comp, comp["choices"][0]["text"])):
+        r = run(app, ["generate", "--model", "tiny", "-n", "4", *args], env=env)
+        assert r.exit_code == 0, r.output
+        assert reply and r.stdout == reply + "\n", (r.stdout, reply)
+        done = f"[{body['usage']['completion_tokens']} tokens, finish: {body['choices'][0]['finish_reason']}]"
+        assert done in r.stderr, r.stderr
     r = run(app, ["requests", "ls", "--json"], env=env)
     assert r.exit_code == 0 and json.loads(r.output) == []
     r = run(app, ["generate", "--model", "nope", "hello"], env=env)

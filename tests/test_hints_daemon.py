@@ -180,5 +180,11 @@ def test_prompt_text_goes_only_to_a_reader_that_asks(run):
     prompts = [e["prompt"] for e in got if e["type"] == "request_prompt"]
     assert prompts[0] == "plain words" and "chat words" in prompts[1]  # the chat as its rendered template
     fin = [e for e in got if e["type"] == "request_finished"]
-    # no priority asked: the tenant's own (root maps to a tenant in profiles/tenants.yaml)
-    assert all(isinstance(e["priority"], int) and e["arrival_t"] <= e["t"] for e in fin)
+    # no priority asked: the tenant's own, as profiles/tenants.yaml maps this test's uid (root -> ops,
+    # priority 10; anyone else -> default, 0)
+    from gpuservd.tenants import TenantMap
+
+    mine = TenantMap.load(ROOT / "profiles" / "tenants.yaml").resolve(os.getuid(), None)
+    assert [(e["tenant"], e["priority"]) for e in fin] == [(mine.name, mine.priority)] * 2
+    assert os.getuid() != 0 or mine.priority == 10  # as root, a priority the request could not have had by default
+    assert all(e["arrival_t"] <= e["t"] for e in fin)
