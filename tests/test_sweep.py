@@ -59,7 +59,6 @@ def test_sweep_on_the_tiny_model_writes_json_markdown_and_plot(swept):
     assert [p["batch"] for p in r["points"]] == [1, 2, 4] == [p["batch"] for p in r["points_prefill_heavy"]]
     for p in r["points"] + r["points_prefill_heavy"]:
         assert p["tokens_s"] > 0 and p["step_ms"] > 0 and p["num_steps"] == 2
-        assert p["tokens_s"] == pytest.approx(p["batch"] / (p["step_ms"] / 1000), rel=1e-3)
     assert r["plateau_batch"] == r["recommended"]["decode_heavy"] == r["plateau"]["decode_heavy"]["batch"]
     assert r["recommended"]["prefill_heavy"] in (1, 2, 4) and r["prefill_chunk"] == 16
     md = (swept / "result.md").read_text()
@@ -67,6 +66,32 @@ def test_sweep_on_the_tiny_model_writes_json_markdown_and_plot(swept):
     assert (swept / "sweep.png").stat().st_size > 1000
     assert "decode-heavy: plateau at batch" in stdout
     assert r["knee"]["decode_heavy"]["batch"] in (1, 2, 4) and "decode-heavy knee: batch" in md
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_a_point_is_the_median_of_the_engines_own_steps_of_exactly_that_batch(store_home, chunk):
+    """The engine's step records (not the sweep) decide: the point's step time is the median wall time of the
+    steps that carried exactly `batch` decode tokens and the `chunk`-token prefill, and no other steps."""
+    import statistics
+
+    import numpy as np
+
+    from gpuservd.config import load_config
+    from gpuservd.engine.engine import LLMEngine
+
+    cfg = load_config(None)
+    cfg.model, cfg.dtype, cfg.kv_cache_bytes, cfg.block_size, cfg.num_threads = "tiny", "float32", 4 << 20, 4, 1
+    cfg.scheduler.max_num_seqs = 4
+    cfg.preemption.mode = "off"
+    engine = LLMEngine.from_store("tiny", cfg)
+    first = engine.telemetry.num_steps
+    p = sweep._measure(engine, 3, 8, 5, chunk, np.random.default_rng(0), "t")
+    recs = engine.telemetry.recent(engine.telemetry.num_steps - first)
+    exact = [r.wall_s for r in recs if r.num_decode_tokens == 3 and r.num_prefill_tokens == chunk][:5]
+    assert len(recs) > len(exact) == p["num_steps"] == 5  # the batch's own prefill steps were left out
+    assert p["step_ms"] == pytest.approx(1000 * statistics.median(exact), abs=1e-5)
+    assert p["batch"] == 3 and p["tokens_s"] == pytest.approx(3000 / p["step_ms"], rel=1e-3)
+    assert not engine.has_unfinished()
 
 
 def test_the_daemon_reads_the_latest_sweep(swept):
