@@ -53,6 +53,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from gpuservd.sharing.clock import WallClock
 from gpuservd.sharing.config import SharingClass, SharingConfig
 
 USAGE_TAU_S = 5.0  # time constant of the usage average that decides "within its share"
@@ -123,16 +124,17 @@ class _Group:
 class Arbiter:
     """Time slices and priorities for the models of one device."""
 
-    def __init__(self, config: SharingConfig, device: str = "cpu", clock=time.perf_counter):
+    def __init__(self, config: SharingConfig, device: str = "cpu", clock: WallClock | None = None):
         self.config = config
         self.device = device
-        self.clock = clock
+        self._time = clock or WallClock()  # sleeps and waits go through it too (a test hands in virtual time)
+        self.clock = self._time.now
         self.quantum_s = config.quantum_ms / 1000
         self._cond = threading.Condition()
         self._models: dict[str, ModelShare] = {}
         self._groups: dict[str, _Group] = {}
         self._events: deque = deque(maxlen=4096)  # taken by the engine loops and published
-        self._last_govern = clock()
+        self._last_govern = self.clock()
         self.switch_s = 0.0
         self.num_switches = 0
         self.handoff_run_s = 0.0  # the run time of slices that ended in a handoff (the group was contended)
@@ -166,7 +168,7 @@ class Arbiter:
                 self._release(g, m, "unload")
             if not any(x.group == g.name for x in self._models.values()):
                 self._groups.pop(g.name, None)
-            self._cond.notify_all()
+            self._time.notify_all(self._cond)
 
     def reconfigure(self, config: SharingConfig, shares: dict[str, float]) -> None:
         """New shares, classes, targets and quantum (a config reload); groups stay as they are."""
@@ -180,7 +182,7 @@ class Arbiter:
                 m.step_target_s = spec.step_target_ms / 1000
                 if m.latency_critical or not config.bandwidth_priority:
                     m.duty = 1.0
-            self._cond.notify_all()
+            self._time.notify_all(self._cond)
 
     # ---- the engine threads -----------------------------------------------------------------------
     def _begin_step(self, m: ModelShare) -> None:
@@ -316,7 +318,7 @@ class Arbiter:
         g.holder = nxt
         g.granted_at = now
         g.released_at, g.released_by, g.release_reason, g.release_run_s = now, m.name, reason, run
-        self._cond.notify_all()
+        self._time.notify_all(self._cond)
 
     def _wait_for_grant(self, g: _Group, m: ModelShare) -> None:
         t0 = self.clock()
@@ -331,7 +333,7 @@ class Arbiter:
                 del g.waiting[m.name]
                 g.holder, g.released_by = m, ""
                 break
-            self._cond.wait(0.5)
+            self._time.wait(self._cond, 0.5)
         now = self.clock()
         waited = now - t0
         m.wait_s += waited
@@ -362,7 +364,7 @@ class Arbiter:
         gap = min(gap, MAX_THROTTLE_SLEEP_S)
         m.num_throttle_waits += 1
         m.throttle_wait_s += gap
-        time.sleep(gap)
+        self._time.sleep(gap)
 
     def _govern(self, now: float) -> None:
         """Bandwidth priority: AIMD on best-effort duty cycles from latency-critical step times over the last interval, per
