@@ -148,7 +148,8 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"
     devices: list = field(default_factory=list)  # the daemon's devices (cache-aware routing, M8):
     # [cuda:0, cuda:1] or CPU device slots [cpu:0, cpu:1]; empty = [device]. Each is its own device tier.
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: gpu/dtype.py chooses for the device
+    dtype_reason: str = field(default="", metadata={"derived": True})  # why this dtype (set by validate)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     block_size: int = 16  # tokens per KV block
     device_memory_bytes: int = 4 * 1024**3  # the device tier's budget (RAM on the CPU)
@@ -168,11 +169,12 @@ class EngineConfig:
         return check_devices(self.devices) if self.devices else [self.device]
 
     def validate(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise UserError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UserError(f"engine.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise UserError(f"engine.device must be cpu or cuda:N, got {self.device!r}")
-        self.device_names()
+        devices = self.device_names()
+        self.resolve_dtype(devices[0])
         if self.isolation not in ISOLATIONS:
             raise UserError(f"engine.isolation must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -210,6 +212,18 @@ class EngineConfig:
         if p.outrank_ratio < 1.0 or p.auto_ratio <= 1.0 or p.auto_window < 2 or p.auto_min_samples < 2:
             raise UserError("preemption: outrank_ratio must be >= 1, auto_ratio > 1, auto_window and "
                             "auto_min_samples >= 2")
+
+
+    def resolve_dtype(self, device: str, flags: set[str] | None = None) -> None:
+        """`auto` becomes the device's best dtype (gpu/dtype.py), with the reason in dtype_reason; an explicit
+        dtype is kept and says so. flags: the CPU's feature flags (None: /proc/cpuinfo)."""
+        if self.dtype == "auto":
+            from gpuservd.gpu.dtype import choose_dtype
+
+            self.dtype, why = choose_dtype(device, flags)
+            self.dtype_reason = f"auto: {why}"
+        elif not self.dtype_reason:
+            self.dtype_reason = "set in the config (engine.dtype)"
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
@@ -269,7 +283,7 @@ def _fill(obj, data: dict, where: str, path: str):
     """Set dataclass fields from a dict, rejecting unknown keys and wrong types."""
     if not isinstance(data, dict):
         raise UserError(f"{where}: {path or 'top level'} must be a mapping")
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    fields = {f.name: f for f in dataclasses.fields(obj) if not f.metadata.get("derived")}
     for key, value in data.items():
         if key not in fields:
             raise UserError(f"{where}: unknown key {path}{key!r}; known: {', '.join(sorted(fields))}")

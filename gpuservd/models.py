@@ -404,7 +404,9 @@ class Models:
 
     def status_sections(self) -> dict:
         """The model side of /admin/status: device readings, partitions, quotas, versions, weight cache."""
-        data: dict = {"device": {**self.device, "readings": self.sharing.readings}}
+        eng = self.config.engine  # engine.dtype auto: what it chose for this device, and why
+        data: dict = {"device": {**self.device, "readings": self.sharing.readings,
+                                 "dtype": eng.dtype, "dtype_reason": eng.dtype_reason}}
         sharing = self.sharing.status()
         data["sharing"] = sharing["backend"]  # the partition backend and its one-line summary
         data["partitions"], data["quotas"], data["arbiter"] = sharing["partitions"], sharing["quotas"], sharing["arbiter"]

@@ -443,8 +443,15 @@ def test_cli_status_generate_requests_against_the_daemon(daemon):
     run = CliRunner().invoke
     r = run(app, ["status", "--json"], env=env)
     assert r.exit_code == 0 and json.loads(r.output)["models"][0]["name"] == "tiny"
+    # engine.dtype is left at auto here: the daemon says what it chose for this CPU and why
+    from gpuservd.gpu.dtype import choose_dtype
+
+    dtype, why = choose_dtype("cpu")
+    dev = json.loads(run(app, ["status", "--json"], env=env).output)["device"]
+    assert (dev["dtype"], dev["dtype_reason"]) == (dtype, f"auto: {why}")
     r = run(app, ["status"], env=env)
     assert r.exit_code == 0 and "tiny" in r.output and "serving" in r.output
+    assert f"dtype: {dtype} (auto: {why})" in r.output
     assert "sharing: SM partitions: not enforced (no CUDA device); arbiter: 20 ms slices" in r.output
     # The CLI's reply is the daemon's: the same greedy text the OpenAI routes give for the same prompt
     # (the chat template without --raw), and the daemon's token count and finish reason on stderr.

@@ -121,7 +121,7 @@ def _sync(device: str) -> None:
 
 
 def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_layers: int = 8, repeats: int = 3,
-                   num_threads: int | None = None, log=print, device: str = "cpu", dtype: str = "float32") -> dict:
+                   num_threads: int | None = None, log=print, device: str = "cpu", dtype: str = "auto") -> dict:
     store = ModelStore()
     if model in RANDOM_MODELS:  # a stand-in of a known shape (isolation-small: SmolLM2's), made on first use
         ensure_random_llama(store, model, RANDOM_MODELS[model], tokenizer_from="smollm2")
@@ -177,7 +177,8 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
     log("quality of the INT8 weights")
     quality = int8_quality(model, model_dir, cfg, _quality_prompts(model_dir, vocab), 32)
 
-    result = {"model": model, "device": device, "device_name": _device_name(device), "dtype": dtype,
+    result = {"model": model, "device": device, "device_name": _device_name(device), "dtype": cfg.dtype,
+              "dtype_reason": cfg.dtype_reason,
               "prompt_tokens": prompt_tokens, "initial_layers": initial_layers, "repeats": repeats,
               "threads": num_threads or torch.get_num_threads(), "summary": summary, "runs": runs,
               "read_floor_runs": floors,

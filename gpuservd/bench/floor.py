@@ -77,18 +77,50 @@ def decode_floor_s(weight_bytes_per_step: int, bandwidth: float) -> float:
     return weight_bytes_per_step / bandwidth
 
 
-def floor_summary(weight_bytes: int, bandwidth: float, gpuserv_batch1_step_s: float | None = None) -> dict:
+PROBE_RUNS = 3  # separate probes (fresh 1 GiB each): where the tensor lands in memory changes the reading
+
+
+def best_bandwidth(num_threads: int, probe=measure_read_bandwidth, runs: int = PROBE_RUNS,
+                   earlier: tuple[float, ...] = ()) -> tuple[float, list[float]]:
+    """The highest of `runs` probes with the engine's thread count, and of any `earlier` readings.
+
+    A floor is weight bytes / bandwidth, so the highest bandwidth read gives the lowest (safest) floor:
+    a probe can only under-read what the memory can do (a neighbour, a cold page table, a bad placement),
+    never over-read it. Returns (best, every reading)."""
+    readings = [float(x) for x in earlier] + [float(probe(num_threads)) for _ in range(runs)]
+    if not readings or max(readings) <= 0:
+        raise ValueError(f"no positive bandwidth reading: {readings}")
+    return max(readings), readings
+
+
+def floor_summary(weight_bytes: int, bandwidth: float, gpuserv_batch1_step_s: float | None = None,
+                  readings: list[float] | None = None) -> dict:
     """The report's `floor` section. gpuserv's measured batch-1 step may be filled in later
-    (`ratio` = measured / floor; None until then)."""
+    (`ratio` = measured / floor; None until then).
+
+    A floor is a lower bound. When the measured step beats it, the probe under-read the bandwidth: the
+    section says so (`probe_wrong`, with the bandwidth the step itself implies) and `ratio` stays None,
+    because a ratio under 1 would claim the impossible."""
     floor_s = decode_floor_s(weight_bytes, bandwidth)
     step_ms = None if gpuserv_batch1_step_s is None else 1000.0 * gpuserv_batch1_step_s
-    return {
+    ratio = None if step_ms is None else step_ms / (1000.0 * floor_s)
+    out = {
         "weight_bytes": int(weight_bytes),
         "read_bandwidth_gbs": bandwidth / 1e9,
+        "probe_readings_gbs": [round(x / 1e9, 2) for x in readings or [bandwidth]],
         "floor_step_ms": 1000.0 * floor_s,
         "gpuserv_batch1_step_ms": step_ms,
-        "ratio": None if step_ms is None else step_ms / (1000.0 * floor_s),
+        "ratio": ratio,
+        "probe_wrong": False,
     }
+    if ratio is not None and ratio < 1.0:
+        implied = weight_bytes / gpuserv_batch1_step_s
+        out.update(ratio=None, probe_wrong=True, step_implied_bandwidth_gbs=implied / 1e9,
+                   note=f"the measured step ({step_ms:.1f} ms) beat the floor ({1000 * floor_s:.1f} ms): the "
+                        f"bandwidth probe was wrong (best of {len(out['probe_readings_gbs'])} reads "
+                        f"{bandwidth / 1e9:.1f} GB/s; the step itself read at least {implied / 1e9:.1f} GB/s), "
+                        "so this floor is not a lower bound and no ratio is given")
+    return out
 
 
 class ForeignLoad:

@@ -42,6 +42,7 @@ from gpuservd.config import EngineConfig
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
 from gpuservd.engine_loop import EngineLoop, Failed, Submission
+from gpuservd.gpu.dtype import choose_dtype
 from gpuservd.gpu.readings import DeviceReader, PhaseSampler
 from gpuservd.sharing.arbiter import Arbiter
 from gpuservd.sharing.config import SharingClass, SharingConfig
@@ -59,7 +60,7 @@ class IsolationSpec:
     small: str = "smollm2"
     big: str = "isolation-big"  # made in the store (random weights, ~476M parameters) when missing
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: the device's best (gpu/dtype.py), resolved when the spec is made
     duration_s: float = 30.0
     # The small model is a classifier-like service (the seed's 1.3B classifier): a short answer to a
     # prompt, one request a second. On 2 CPU cores SmolLM2 is busy ~30% of the time with it, which caps
@@ -76,6 +77,10 @@ class IsolationSpec:
     seed: int = 0
     phases: list | None = None  # a subset of PHASES (None = all); ratios need small-alone and big-alone
     overhead: bool = True  # measure the time-slice overhead too
+
+    def __post_init__(self):
+        if self.dtype == "auto":
+            self.dtype = choose_dtype(self.device)[0]
 
 
 class _Track:

@@ -156,6 +156,7 @@ def meta(workload, runs: list[SystemRun], config: dict) -> dict:
         "torch": _version("torch"),
         "transformers": _version("transformers"),
         "dtype": config.get("dtype") or from_runs("dtype"),
+        "dtype_reason": config.get("dtype_reason"),  # engine.dtype auto: what it chose on this machine and why
         "threads": config.get("num_threads") or config.get("threads") or from_runs("num_threads"),
         "workload": {"name": getattr(workload, "name", None),
                      "file": str(workload.path) if getattr(workload, "path", None) else None},
@@ -215,13 +216,16 @@ def markdown(result: dict) -> str:
     lines += _prefix_cache_lines(result)
     fl = result.get("floor")
     if fl:
+        verdict = (f"the probe was wrong: {fl['note']}" if fl.get("probe_wrong")
+                   else f"ratio {_f(fl.get('ratio'), '{:.2f}')}")
         lines += ["", f"Batch-1 decode floor: {_f(fl.get('floor_step_ms'), '{:.1f}')} ms "
                       f"({_f(fl.get('weight_bytes') and fl['weight_bytes'] / 1e6, '{:.0f}')} MB of weights at "
-                      f"{_f(fl.get('read_bandwidth_gbs'), '{:.1f}')} GB/s); gpuserv's batch-1 step: "
-                      f"{_f(fl.get('gpuserv_batch1_step_ms'), '{:.1f}')} ms "
-                      f"(ratio {_f(fl.get('ratio'), '{:.2f}')})."]
+                      f"{_f(fl.get('read_bandwidth_gbs'), '{:.1f}')} GB/s, the best of "
+                      f"{len(fl.get('probe_readings_gbs') or [0])} probes); gpuserv's batch-1 step: "
+                      f"{_f(fl.get('gpuserv_batch1_step_ms'), '{:.1f}')} ms ({verdict})."]
     m = result["meta"]
-    lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}, "
+    why = f" ({m['dtype_reason']})" if m.get("dtype_reason") else ""
+    lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}{why}, "
                   f"{m['threads']} threads, torch {m['torch']}, transformers {m['transformers']}.", ""]
     return "\n".join(lines)
 

@@ -115,7 +115,7 @@ def cold_start(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-cold-<model>)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the device's best) | float32 | bfloat16 | float16."),
 ) -> None:
     """Cold time to first token from disk: full vs layered vs layered + INT8, and INT8 quality.
     --model isolation-small is SmolLM2's shape with random weights (made on first use) where SmolLM2
@@ -165,7 +165,7 @@ def isolation(
     big: str = typer.Option("isolation-big", "--big", help="The best-effort model (default: a random ~476M Llama, "
                             "made in the store on first use)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the device's best) | float32 | bfloat16 | float16."),
     duration: float = typer.Option(30.0, "--duration", min=2.0, help="Seconds per phase."),
     small_rate: Optional[float] = typer.Option(None, "--small-rate", min=0.01, help="Small model requests/s "
                                                "(Poisson; default 1.0)."),

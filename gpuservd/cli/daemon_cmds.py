@@ -82,6 +82,8 @@ def status(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
                   markup=False)
     console.print(f"device: {dev.get('backend')} {dev.get('name', '')}; socket: {st.socket}"
                   + (f"; tcp: {st.tcp}" if st.tcp else ""), markup=False)
+    if dev.get("dtype"):
+        console.print(f"dtype: {dev['dtype']} ({dev.get('dtype_reason')})", markup=False)
     if st.devices and len(st.devices) > 1:  # several devices: which holds which model
         console.print("devices: " + "; ".join(
             f"{d} {', '.join(v['models']) or '-'} ({v['used_bytes'] / 1e6:.1f}/{v['budget_bytes'] / 1e6:.0f} MB, "
