@@ -59,7 +59,7 @@ def test_layered_load_gives_the_full_loads_tokens(tiny_model_dir):
     from gpuservd.config import EngineConfig
     from gpuservd.engine.engine import LLMEngine
 
-    cfg = EngineConfig(model="tiny", device=CUDA, block_size=4, kv_cache_bytes=4 << 20)
+    cfg = EngineConfig(model="tiny", device=CUDA, dtype="float32", block_size=4, kv_cache_bytes=4 << 20)
     full = LLMEngine("tiny", tiny_model_dir, cfg)
     layered = LLMEngine("tiny", tiny_model_dir, cfg, initial_layers=1)
     params = SamplingParams(max_tokens=8, **PARAMS)
@@ -80,10 +80,10 @@ def test_int8_weights_are_expanded_on_the_device(tiny_model_dir, tmp_path):
     d = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, d)
     write_int8(SafetensorsReader(d), d)
-    cfg = EngineConfig(model="tiny", device=CUDA, block_size=4, kv_cache_bytes=4 << 20)
+    cfg = EngineConfig(model="tiny", device=CUDA, dtype="float32", block_size=4, kv_cache_bytes=4 << 20)
     src = Int8Reader(int8_path(d))
     gpu = LLMEngine("tiny", d, cfg, weight_source=src)
-    cpu = LLMEngine("tiny", d, EngineConfig(model="tiny", block_size=4, kv_cache_bytes=4 << 20),
+    cpu = LLMEngine("tiny", d, EngineConfig(model="tiny", dtype="float32", block_size=4, kv_cache_bytes=4 << 20),
                     weight_source=Int8Reader(int8_path(d)))
     g, c = gpu.runner.weights.layer(0), cpu.runner.weights.layer(0)
     for name in ("qkv", "o_proj", "gate_up", "down"):

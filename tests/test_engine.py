@@ -14,6 +14,7 @@ from gpuservd.errors import UserError
 
 def make_engine(model_dir, **kw) -> LLMEngine:
     sched = kw.pop("scheduler", {})
+    kw.setdefault("dtype", "float32")  # compared with transformers' fp32 model: not engine.dtype auto
     cfg = EngineConfig(model="tiny", kv_cache_bytes=kw.pop("kv_cache_bytes", 4 << 20), block_size=4, **kw)
     for k, v in sched.items():
         setattr(cfg.scheduler, k, v)

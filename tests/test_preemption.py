@@ -17,7 +17,7 @@ PARAMS = dict(ignore_eos=True, detokenize=False)
 
 def engine(model_dir, num_blocks=None, device="cpu", **pre) -> LLMEngine:
     sched = pre.pop("scheduler", {})
-    cfg = EngineConfig(model="tiny", device=device, block_size=4, kv_cache_bytes=4 << 20,
+    cfg = EngineConfig(model="tiny", device=device, dtype="float32", block_size=4, kv_cache_bytes=4 << 20,
                        preemption=PreemptionConfig(min_exec_s=0, **pre))
     for k, v in sched.items():
         setattr(cfg.scheduler, k, v)

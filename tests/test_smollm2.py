@@ -31,7 +31,7 @@ def engine_and_hf(smollm2_dir):
 
     torch.set_num_threads(2)
     hf = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    eng = LLMEngine("smollm2", smollm2_dir, EngineConfig(kv_cache_bytes=256 << 20))
+    eng = LLMEngine("smollm2", smollm2_dir, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20))
     return eng, hf
 
 

@@ -92,7 +92,8 @@ def _merged_model(home, adapter, name):
 
 
 def serve(check, cache=None):
-    run_in_app(check, {"engine": {"kv_cache_bytes": "2MiB", "block_size": 4, "num_threads": 1},
+    # fp32: the merged model (W + BA rounded once) and the unmerged delta must give the same tokens
+    run_in_app(check, {"engine": {"dtype": "float32", "kv_cache_bytes": "2MiB", "block_size": 4, "num_threads": 1},
                        "server": {"models": []}, "cache": cache or {"cache_size": 8}})
 
 

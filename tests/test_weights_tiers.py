@@ -21,7 +21,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 41], [7] * 20]
 
 
 def engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine("tiny", model_dir, EngineConfig(model="tiny", kv_cache_bytes=4 << 20, block_size=4), **kw)
+    return LLMEngine("tiny", model_dir, EngineConfig(model="tiny", dtype="float32", kv_cache_bytes=4 << 20, block_size=4), **kw)
 
 
 @pytest.fixture(scope="module")
