@@ -148,7 +148,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"
     devices: list = field(default_factory=list)  # the daemon's devices (cache-aware routing, M8):
     # [cuda:0, cuda:1] or CPU device slots [cpu:0, cpu:1]; empty = [device]. Each is its own device tier.
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: gpu/dtype.py chooses for the device
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: gpuservd/dtypes.py chooses for the device
     dtype_reason: str = field(default="", metadata={"derived": True})  # why this dtype (set by validate)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     block_size: int = 16  # tokens per KV block
@@ -215,11 +215,9 @@ class EngineConfig:
 
 
     def resolve_dtype(self, device: str, flags: set[str] | None = None) -> None:
-        """`auto` becomes the device's best dtype (gpu/dtype.py), with the reason in dtype_reason; an explicit
+        """`auto` becomes the device's best dtype (gpuservd/dtypes.py), with the reason in dtype_reason; an explicit
         dtype is kept and says so. flags: the CPU's feature flags (None: /proc/cpuinfo)."""
         if self.dtype == "auto":
-            from gpuservd.gpu.dtype import choose_dtype
-
             self.dtype, why = choose_dtype(device, flags)
             self.dtype_reason = f"auto: {why}"
         elif not self.dtype_reason:

@@ -444,7 +444,7 @@ def test_cli_status_generate_requests_against_the_daemon(daemon):
     r = run(app, ["status", "--json"], env=env)
     assert r.exit_code == 0 and json.loads(r.output)["models"][0]["name"] == "tiny"
     # engine.dtype is left at auto here: the daemon says what it chose for this CPU and why
-    from gpuservd.gpu.dtype import choose_dtype
+    from gpuservd.dtypes import choose_dtype
 
     dtype, why = choose_dtype("cpu")
     dev = json.loads(run(app, ["status", "--json"], env=env).output)["device"]

@@ -6,7 +6,7 @@ import pytest
 
 from gpuservd.config import EngineConfig, config_from_dict
 from gpuservd.errors import UserError
-from gpuservd.gpu.dtype import choose_dtype, cpu_flags
+from gpuservd.dtypes import choose_dtype, cpu_flags
 
 ZEN4 = {"fpu", "sse2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 AVX2_ONLY = {"fpu", "sse2", "avx", "avx2", "fma"}

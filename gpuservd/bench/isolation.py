@@ -39,10 +39,10 @@ from gpuservd.bench.output import write_result
 from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
 from gpuservd.bench.report import percentiles
 from gpuservd.config import EngineConfig
+from gpuservd.dtypes import choose_dtype
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
 from gpuservd.engine_loop import EngineLoop, Failed, Submission
-from gpuservd.gpu.dtype import choose_dtype
 from gpuservd.gpu.readings import DeviceReader, PhaseSampler
 from gpuservd.sharing.arbiter import Arbiter
 from gpuservd.sharing.config import SharingClass, SharingConfig
@@ -60,7 +60,7 @@ class IsolationSpec:
     small: str = "smollm2"
     big: str = "isolation-big"  # made in the store (random weights, ~476M parameters) when missing
     device: str = "cpu"
-    dtype: str = "auto"  # auto: the device's best (gpu/dtype.py), resolved when the spec is made
+    dtype: str = "auto"  # auto: the device's best (gpuservd/dtypes.py), resolved when the spec is made
     duration_s: float = 30.0
     # The small model is a classifier-like service (the seed's 1.3B classifier): a short answer to a
     # prompt, one request a second. On 2 CPU cores SmolLM2 is busy ~30% of the time with it, which caps
