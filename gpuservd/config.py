@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuservd.dtypes import choose_dtype
 from gpuservd.errors import Choice, UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -212,7 +213,6 @@ class EngineConfig:
         if p.outrank_ratio < 1.0 or p.auto_ratio <= 1.0 or p.auto_window < 2 or p.auto_min_samples < 2:
             raise UserError("preemption: outrank_ratio must be >= 1, auto_ratio > 1, auto_window and "
                             "auto_min_samples >= 2")
-
 
     def resolve_dtype(self, device: str, flags: set[str] | None = None) -> None:
         """`auto` becomes the device's best dtype (gpuservd/dtypes.py), with the reason in dtype_reason; an explicit
