@@ -45,7 +45,7 @@ BUDGET_S = 330.0  # the whole script: a later session runs it inside a 15-minute
 PART_LIMIT_S = {"device": 60.0, "green": 170.0, "mps": 75.0}
 ISOLATION_LIMIT_S = 200.0
 MIN_PART_S = 20.0  # a part is not started with less than this left
-SHARES = {"chat": 0.40, "classifier": 0.35, "batch": 0.25}  # the seed's example split (G1)
+SHARES = {"chat": 0.40, "classifier": 0.35, "batch": 0.25}  # the example split of the source measurements (A100: 40/40/24 SMs + 4 spare)
 SPIN_NS = 20_000  # each SM-id block stays resident this long, so blocks spread over every SM it may use
 
 try:  # the SM-id kernel; Triton only exists on the GPU machine

@@ -6,7 +6,7 @@
     scripts/loadtest.py --socket /run/gpuserv/gpuserv.sock --model smollm2   # an already running daemon
 
 Every client loops until the deadline: a streaming chat or completion request
-with lengths drawn from skewed distributions (O3: never fixed lengths); some
+with lengths drawn from skewed distributions (real workloads, never fixed lengths); some
 clients hang up mid-stream on purpose (cancellation is part of the load). A
 429 is intended admission control: the client waits Retry-After (capped) and
 goes on. Anything else that is not a complete stream ending in `data: [DONE]`

@@ -1,4 +1,5 @@
-"""The sharing arbiter (G2, G4, G5) with model threads whose "layers" are sleeps, on virtual time.
+"""The sharing arbiter (time slices, bandwidth priority, latency-critical first) with model threads
+whose "layers" are sleeps, on virtual time.
 
 The arbiter reads, sleeps and waits through its clock; here that is a VirtualClock (tests/virtual_clock.py):
 time stands still while any model thread runs and jumps to the next wake-up when all wait. A 2 ms layer takes
@@ -148,7 +149,7 @@ def test_separate_groups_run_side_by_side():
 
 
 def test_bandwidth_priority_throttles_best_effort_and_relaxes():
-    """G4: latency-critical steps over target -> best-effort duty falls (x0.5); calm -> it climbs back."""
+    """Bandwidth priority: latency-critical steps over target -> best-effort duty falls (x0.5); calm -> it climbs back."""
     t = ThrottleConfig(increase=0.25, decrease=0.5, min_duty=0.1, interval_ms=50)
     arb = arbiter(throttle=t)
     small = arb.register("small", "g1", 0.5, LC, step_target_ms=5)
@@ -266,7 +267,7 @@ def test_a_latency_critical_model_never_alone_gets_its_neighbours_held_back_to_l
 
 
 def test_device_memory_bandwidth_over_threshold_is_pressure():
-    """G4 on Hopper: NVML GPM's DRAM bandwidth use above the threshold throttles best effort even when the
+    """Bandwidth priority on Hopper: NVML GPM's DRAM bandwidth use above the threshold throttles best effort even when the
     latency-critical model's steps look fine; an old or missing reading does nothing."""
     t = ThrottleConfig(increase=0.25, decrease=0.5, min_duty=0.1, interval_ms=20, mem_bw_threshold_pct=80)
     arb = arbiter(throttle=t)

@@ -210,7 +210,8 @@ def test_shared_prefix_chat_builds_conversations_that_resend_their_history():
 
 
 def test_other_workloads_keep_their_prompts_when_chats_exist():
-    """The chat construction draws from a stream of its own: a workload without chats materializes as before."""
+    """The chat construction draws from a stream of its own: a workload without
+    chats materializes the same prompts whether or not chats exist elsewhere."""
     import numpy as np
 
     reqs = load_workload(WORKLOADS / "smoke.yaml").materialize(49152, eos_token_id=2)

@@ -1,7 +1,7 @@
 """Hints end to end against the real daemon, with a workload that really causes the conditions.
 
 One daemon, preemption off, a KV pool of 80 blocks (320 tokens): 40 short requests (4 tokens out) and
-24 long ones (120 out) at once. The lengths are skewed (P99/P50 = 30, S7), the long ones do not fit
+24 long ones (120 out) at once. The lengths are skewed (P99/P50 = 30, past the 5 where preemption pays), the long ones do not fit
 together so the pool stays full with a queue behind it (quota), and recompute preemptions hit the
 same requests again and again (starvation). Meanwhile `gpuserv record` captures the traffic, and the
 trace is replayed by `gpuserv bench -w`; `gpuserv doctor` lists the hints.

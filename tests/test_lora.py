@@ -1,4 +1,4 @@
-"""Variants (M6) in the runner: an unmerged LoRA or full-rank delta over shared base weights gives the
+"""Variants in the runner: an unmerged LoRA or full-rank delta over shared base weights gives the
 logits of transformers' LlamaForCausalLM with the delta merged in (W + scale * B @ A, what PEFT's
 merge computes; peft itself is not installed here), and the base's weights are shared, not copied."""
 

@@ -1,4 +1,4 @@
-"""The sharing plan: SM partitions (G1), memory quotas (G3), hardware profiles and `gpuserv plan`."""
+"""The sharing plan: SM partitions, memory quotas, hardware profiles and `gpuserv plan`."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def check_partition(alloc: dict, num_sms: int, gran: SmGranularity):
         assert sms >= gran.min_sms and sms % gran.align_sms == 0, (n, sms, gran)
 
 
-# ---- SM partitions (G1) ------------------------------------------------------------------------
+# ---- SM partitions -----------------------------------------------------------------------------
 
 def test_the_seed_example_exactly():
     p = plan(seed_sharing(), load_hardware("a100"))
@@ -161,7 +161,7 @@ def test_partition_properties(num_sms, cc, weights, total):
         assert spare < RECOMMENDED_STEP * len(alloc) / 2 + gran.align_sms + (num_sms - sum(raw.values()))
 
 
-# ---- memory quotas (G3) ----------------------------------------------------------------------
+# ---- memory quotas ---------------------------------------------------------------------------
 
 def test_the_seed_quota_breakdown():
     p = plan(seed_sharing(), load_hardware("a100"))

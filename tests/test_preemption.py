@@ -1,5 +1,5 @@
 """Preemption end to end on a tiny model: every way a request can be paused and resumed gives
-exactly the tokens of an uninterrupted greedy run (S4), and the moves really happen."""
+exactly the tokens of an uninterrupted greedy run (no numeric drift), and the moves really happen."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_memory_pressure_moves_are_exact(tiny_model_dir, reference, kind):
     assert pre and {p["kind"] for p in pre} == {kind}
     if kind == "recompute":
         assert any(p["tokens_to_recompute"] > 0 for p in pre)
-        # Some victim kept its newest blocks and dropped only the oldest ones (S4).
+        # Some victim kept its newest blocks and dropped only the oldest ones
+        # (the tokens farthest from the current step go first).
         assert any(0 < p["blocks_freed"] and p["tokens_to_recompute"] == 4 * p["blocks_freed"] for p in pre)
     else:
         outs = [m for m in moves if m["kind"] == "swap_out"]
@@ -254,7 +255,7 @@ def test_abort_of_a_suspended_request_finishes_its_forward_first(tiny_model_dir)
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_memory_quota_moves_out_the_models_own_requests(tiny_model_dir, reference, mode):
-    """G3: lowering the pool's capacity (a memory quota) mid-run makes the engine move its own running
+    """Lowering the pool's capacity (a memory quota) mid-run makes the engine move its own running
     requests out (reason quota), whatever the preemption mode; the tokens stay exact, nothing leaks."""
     eng = engine(tiny_model_dir, num_blocks=64, mode=mode, kind="swap")
     ps = prompts(4)

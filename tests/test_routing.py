@@ -1,4 +1,4 @@
-"""Cache-aware routing over several devices (M8): the pure chooser, the weight cache's per-device
+"""Cache-aware routing over several devices: the pure chooser, the weight cache's per-device
 tiers, the config's checks, and the daemon in-process on two CPU device slots."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sharing one device in the daemon (G1-G5): the arbiter between two loaded models, memory quotas on
+"""Sharing one device in the daemon: the arbiter between two loaded models, memory quotas on
 their KV pools, what /admin/status says on a machine without CUDA, and the config's errors."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_sharing_off_is_naive_co_location(two_models):
 
 
 def test_a_memory_quota_caps_the_models_own_kv_and_a_lowered_one_moves_its_requests_out(two_models):
-    """G3: the quota's KV part caps the model's pool; lowering it on a reload makes the model move its own
+    """Memory quotas: the quota's KV part caps the model's pool; lowering it on a reload makes the model move its own
     requests out (quota preemptions) while the other model's pool is untouched."""
     events = []
 

@@ -113,7 +113,7 @@ def test_sweep_errors_are_one_line(tmp_path, monkeypatch, capsys, tiny_model_dir
 
 
 def test_bench_keeps_its_promised_options(monkeypatch, tmp_path, capsys):
-    """`gpuserv bench -w FILE` with every option still reaches run_bench exactly as before."""
+    """`gpuserv bench -w FILE` with every option reaches run_bench unchanged (the promised form)."""
     seen = {}
 
     def fake_run_bench(workload, config, peers, out, model=None, log=None, compare=None, alone_without=None,

@@ -1,4 +1,4 @@
-"""Variants (M6) in the store, the CLI and the daemon's load path: `models make-adapter` / `derive`,
+"""Variants (a base plus a delta) in the store, the CLI and the daemon's load path: `models make-adapter` / `derive`,
 base weights shared by object and counted once, a variant over a resident base reads only its
 delta, a missing base loads as a hidden dependency, and failures leak nothing."""
 

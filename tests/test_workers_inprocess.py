@@ -56,7 +56,7 @@ def test_mps_workers_start_with_their_plans_sm_percentage_and_memory_limit(two_m
             m = models[name]
             assert m["isolation"] == "process" and m["state"] == "ready"
             num_sms = groups[name]["num_sms"]
-            assert m["num_sms"] == num_sms and num_sms >= share * 108 - 8  # the plan's group (G1)
+            assert m["num_sms"] == num_sms and num_sms >= share * 108 - 8  # the plan's SM group
             env = environ(m["worker_pid"])
             quota = st["quotas"][name]["quota"]
             assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(math.ceil(100 * num_sms / 108 - 1e-9))

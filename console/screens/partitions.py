@@ -206,7 +206,7 @@ def join_to_width(parts: list[str], width: int, sep: str = "; ") -> str:
 def quotas_content(status: dict, width: int = DEFAULT_WIDTH):
     q = status.get("quotas")
     if q is None or (not q and "partitions" not in status):
-        return section(status, "quotas")  # not reported: exactly as before
+        return section(status, "quotas")  # not reported: the generic section says so
     if not isinstance(q, dict):
         return section(status, "quotas")
     return quotas_view(q, width)

@@ -4,7 +4,7 @@ promised form), plus `gpuserv bench sweep --model M` (the batch-size sweep).
 The group is invoked without a subcommand for the workload form, so every
 option `bench` ever took is still an option of `bench` itself; `--workload`
 is checked by hand (a subcommand does not need it); without it the usage
-error and exit code 2 are click's, as before.
+error and exit code 2 are click's own, so scripts that check for them keep working.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def bench(
         return
     if workload is None:
         param = next(p for p in ctx.command.params if p.name == "workload")
-        ctx.fail(f"Missing option {param.get_error_hint()}.")  # click's usage error, exit 2, as before
+        ctx.fail(f"Missing option {param.get_error_hint()}.")  # click's own usage error and exit 2
     if target not in ("inprocess", "socket"):
         raise UserError(f"--target must be inprocess or socket, got {target!r}")
     from gpuservd.bench.report import markdown  # benchmark code loads torch/numpy: only when this command runs
