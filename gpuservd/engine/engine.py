@@ -24,12 +24,14 @@ from gpuservd.engine.sampler import SamplerOutput, TokenLogprobs, sample
 from gpuservd.engine.schedule_output import KVLayout, SchedulerOutput
 from gpuservd.engine.scheduler import Scheduler
 from gpuservd.engine.telemetry import StepRecord, Telemetry
+from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.errors import UserError
 from gpuservd.kv_cache.swap import HostKVPool, Swapper
 from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.decode_step import DecodeResult
 from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
+from gpuservd.store.store import ModelStore
 
 
 class LLMEngine:
@@ -44,7 +46,6 @@ class LLMEngine:
         self.config = config
         pending_tokenizer = None
         if tokenizer is None:  # read beside the weights: a cold load waits on the disk, not on the CPU
-            from gpuservd.engine.tokenizer import load_tokenizer
 
             pending_tokenizer = in_background("tokenizer-load", load_tokenizer, model_dir)
         self.runner = ModelRunner(
@@ -110,8 +111,6 @@ class LLMEngine:
 
     @classmethod
     def from_store(cls, model_name: str, config: EngineConfig | None = None, store=None) -> "LLMEngine":
-        from gpuservd.store.store import ModelStore
-
         config = config or EngineConfig(model=model_name)
         store = store or ModelStore()
         info = store.check(model_name)  # names the exact missing or damaged file before any load
