@@ -99,7 +99,7 @@ class LLMEngine:
     @property
     def yield_point(self):
         """yield_point(layer), called after each layer and halfway through it, may block while another
-        model runs (the sharing arbiter's time slices, G2); None when this engine has the device to itself."""
+        model runs (the sharing arbiter's time slices); None when this engine has the device to itself."""
         return self._yield_point
 
     @yield_point.setter
@@ -194,7 +194,7 @@ class LLMEngine:
 
     def unservable(self) -> list[tuple[str, str]]:
         """(request id, why) of the requests that can no longer fit the KV pool's capacity: a memory quota
-        lowered below what they need (G3). Without a quota below the pool's size this is always empty."""
+        lowered below what they need. Without a quota below the pool's size this is always empty."""
         cap = self.pool.capacity
         if cap >= self.pool.num_blocks:
             return []

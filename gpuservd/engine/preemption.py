@@ -1,4 +1,4 @@
-"""Preemption settings, the planner's cost model and auto mode (S2-S4, S6, S7).
+"""Preemption settings, the planner's cost model and auto mode.
 
 - `PreemptionMode`: `on` lets a waiting request displace a running one (higher
   priority, or at equal priority a much shorter remaining estimate); `off`
@@ -100,8 +100,8 @@ def plan_kind(forced: MoveKind, cost: CostModel, *, host_free: int, n_blocks: in
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile of an ascending list: the value at rank ceil(q/100 * n). (It used to round
-    q n + 0.5 half to even, which picked the rank above at some sizes: P50 of [1, 2] read 2.)"""
+    """Nearest-rank percentile of an ascending list: the value at rank ceil(q/100 * n). (Not round(q n
+    + 0.5): Python rounds half to even, which picks the rank above at some sizes: P50 of [1, 2] would read 2.)"""
     idx = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values) / 100 - 1e-9) - 1))
     return float(sorted_values[idx])
 
@@ -128,7 +128,7 @@ def km_quantile(finished: list[int], running: list[int], q: float) -> tuple[floa
 
 
 class AutoMode:
-    """Preemption on while P99/P50 of recent output lengths exceeds `ratio` (S7).
+    """Preemption on while P99/P50 of recent output lengths exceeds `ratio` (preemption pays only when lengths are skewed).
 
     Lengths are counted as they are known: the finished requests' (a window of `window`), and, as lower
     bounds, those of the requests still generating (Kaplan-Meier, `km_quantile`). Finished lengths alone

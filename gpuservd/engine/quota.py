@@ -1,4 +1,4 @@
-"""Per-tenant limits inside one engine (S8): a tenant over a limit waits without blocking others."""
+"""Per-tenant limits inside one engine: a tenant over a limit waits without blocking others."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ class ScheduledChunk:
 
 @dataclass
 class Preemption:
-    """One victim: how its KV left the device and what that will cost (S6)."""
+    """One victim: how its KV left the device and what that will cost (priced so preemption is chosen only where it pays)."""
 
     request_id: str
     kind: str  # swap | partial_swap | recompute

@@ -2,7 +2,7 @@
 
 A step's decision, in order:
 1. (preemption on) keep device KV use at or below `memory_threshold`: while it
-   is above, a victim's KV leaves the device (S3).
+   is above, a victim's KV leaves the device (to host memory, whole or in part).
 2. (preemption on, granularity token or layer) displacement: a waiting request
    that cannot be admitted and outranks running requests (higher priority, or
    equal priority and a remaining estimate `outrank_ratio` times shorter) takes
@@ -244,7 +244,7 @@ class Scheduler:
         return out
 
     def _enforce_quota(self, out: SchedulerOutput, now: float) -> None:
-        """G3: over the model's memory quota (the pool's capacity was lowered), its own requests leave
+        """Over the model's memory quota (the pool's capacity was lowered), its own requests leave
         the device (swap, partial swap or recompute as the planner prices them) until it fits again.
         Whatever the preemption mode: a quota is a limit, not a preference."""
         while self.pool.num_used > self.pool.capacity:

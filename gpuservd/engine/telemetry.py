@@ -1,4 +1,5 @@
-"""Per-step telemetry: one record per engine step in a bounded ring buffer (O2).
+"""Per-step telemetry: one record per engine step in a bounded ring buffer (step granularity: per-second
+aggregates hide the steps that hurt).
 
 The console, /metrics, `gpuserv doctor` and the benchmarks all read these same
 records; per-second aggregates hide the steps that hurt.
@@ -21,7 +22,7 @@ class StepRecord:
     wall_s: float  # whole step: schedule + forward + sample + update
     forward_s: float  # model forward
     sample_s: float  # sampling + detokenization + stop checks
-    decision_s: float  # scheduler decision time (S6)
+    decision_s: float  # scheduler decision time (its own cost, kept below what it wins)
     num_prefill_tokens: int  # tokens in prefill chunks
     num_decode_tokens: int  # one-token (decode) chunks
     num_running: int  # after the step's decision

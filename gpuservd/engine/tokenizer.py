@@ -11,7 +11,8 @@ from gpuservd.errors import StoreCorrupt, UserError
 def load_tokenizer(model_dir: Path):
     """A fast tokenizer from the store directory (no hub access)."""
     # Every store model has a tokenizer.json, so the fast class is loaded directly:
-    # AutoTokenizer's class resolution costs about a second more.
+    # AutoTokenizer's class resolution costs about a second more. Imported here: the chat helpers below
+    # serve callers that never load a tokenizer, and transformers takes seconds to import.
     from transformers import PreTrainedTokenizerFast
 
     path = Path(model_dir) / "tokenizer.json"

@@ -1,4 +1,4 @@
-"""Who gives up its KV blocks when a running request needs one and none is free (S5).
+"""Who gives up its KV blocks when a running request needs one and none is free (chosen so long requests are not starved).
 
 Policies, named in `VictimPolicy`:
 - `newest`: the most recently admitted request (vLLM's rule; cheap, not fair).

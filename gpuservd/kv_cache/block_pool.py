@@ -25,7 +25,7 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.limit = num_blocks  # a memory quota (G3) may hold the pool below its size: see set_limit
+        self.limit = num_blocks  # a memory quota may hold the pool below its size: see set_limit
         # Blocks at refcount 0, oldest first: an ordered dict, so a cache hit takes one out of the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refcount = [0] * num_blocks

@@ -1,4 +1,4 @@
-"""The host KV pool and the copies that move a preempted request's KV (S3).
+"""The host KV pool and the copies that move a preempted request's KV out of the device and back.
 
 A swap-out copies some layers of a request's device blocks into host blocks;
 a partial swap keeps the last k layers on the device, packed ("parked") into

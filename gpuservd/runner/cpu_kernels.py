@@ -116,7 +116,7 @@ def _load() -> object:
     scripts = sysconfig.get_path("scripts")
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # only to build: a built library loads without it
 
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

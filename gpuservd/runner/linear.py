@@ -11,8 +11,8 @@ both kinds of call on the CPU:
   product on the same dense weight (within ~5% of oneDNN with its own reordered
   weight from 64 rows up, measured; `F.linear`/MKL was 10-25% slower).
 Keeping the oneDNN-reordered weight as well would double the model's memory;
-dropping the dense one (as before) left the GEMV nothing it could stream, and
-kept a second copy of a tied embedding for the LM head (113 MB on SmolLM2).
+keeping only that one would leave the GEMV nothing it could stream, and would
+need a second copy of a tied embedding for the LM head (113 MB on SmolLM2).
 Without oneDNN (CUDA, or a torch built without it) `F.linear` takes the rows
 the kernel does not; without the C++ kernels (GPUSERV_CPU_KERNELS=0, no
 compiler) everything goes to oneDNN / `F.linear`.

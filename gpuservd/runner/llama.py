@@ -47,7 +47,7 @@ class LlamaModel:
         # Which fused layer steps run: "c++", "triton", or None (torch ops).
         self.kernels = None if self._ops is None else ("c++" if self.device.type == "cpu" else "triton")
         # Called between a layer's attention and its MLP (the halfway point of every layer): the sharing
-        # arbiter's yield point, so a neighbour waits at most half a layer of this model (G2). None = no call.
+        # arbiter's yield point, so a neighbour waits at most half a layer of this model. None = no call.
         self.mid_layer = None
 
     def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):

@@ -67,7 +67,7 @@ class ModelRunner:
             # We attend over the full context; capping at the window keeps that exact.
             limit = min(limit, self.arch.sliding_window)
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
-        if hasattr(weight_source, "build_weights"):  # weights shared with other engines (a base + delta, M6)
+        if hasattr(weight_source, "build_weights"):  # weights shared with other engines (a base + delta)
             weights = weight_source.build_weights(self.arch, self.dtype, self.device, initial_layers=initial_layers,
                                                  on_layer=on_layer)
         else:

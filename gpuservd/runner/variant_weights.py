@@ -1,4 +1,4 @@
-"""A variant's weights (M6): a shared base's ModelWeights plus a delta applied at run time.
+"""A variant's weights: a shared base's ModelWeights plus a delta applied at run time.
 
 The base's tensors are never copied or changed: the base's own engine and every
 other variant read the same objects, so adding a delta into them would change

@@ -29,7 +29,10 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
+from gpuservd.engine_calls import EngineFacts
 from gpuservd.engine_loop import IDLE_TICK_S, EngineLoop, Failed, Submission
+from gpuservd.weights.sources import store_source
+from gpuservd.worker.build import make_engine
 
 log = logging.getLogger("gpuservd.worker")
 
@@ -107,10 +110,6 @@ class Poster:
 def build(spec, channel: Channel, facts: list):
     """The engine, from the store (the same construction as an engine thread's); its EngineFacts go
     into `facts`."""
-    from gpuservd.engine_calls import EngineFacts
-    from gpuservd.weights.sources import store_source
-    from gpuservd.worker.build import make_engine
-
     source, tier, nbytes = store_source(spec.model_dir, spec.compression)
 
     def on_layer(i: int, seconds: float) -> None:

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpuservd.config import EngineConfig
+from gpuservd.engine.engine import LLMEngine
 
 
 @dataclass
@@ -24,7 +27,7 @@ class WorkerSpec:
     config_dir: str  # its config.json and tokenizer (the same directory for a full model)
     engine: EngineConfig  # its engine settings (device as the worker sees it)
     compression: str = "none"  # cache.compression: int8 reads (and first writes) the store's INT8 file
-    initial_layers: int | None = None  # layered loading (M5): serve after these many layers
+    initial_layers: int | None = None  # layered loading: serve after these many layers
     tenant_quotas: Any = None  # name -> TenantQuota
     admission_window_s: float = 0.0  # server.admission_window_ms, in seconds
     log_level: str = "info"
@@ -33,10 +36,7 @@ class WorkerSpec:
 def make_engine(name: str, config_dir: Path, cfg: EngineConfig, source, initial_layers: int | None,
                 on_layer, tenant_quotas):
     """The engine over `source`, with its tenants' quotas (on the thread that will step it)."""
-    from gpuservd.engine.engine import LLMEngine
-
     if cfg.device.startswith("cuda"):  # this thread's current device: streams and kernels go there
-        import torch
 
         torch.cuda.set_device(torch.device(cfg.device))
     engine = LLMEngine(name, Path(config_dir), cfg, weight_source=source, initial_layers=initial_layers,
