@@ -39,9 +39,24 @@ def test_generate_raw_and_seeded_sampling_is_reproducible(store_home, capsys):
     assert any(sample(seed) != first for seed in ("8", "9", "10", "11"))
 
 
+def test_generate_json_schema_and_logprobs_local(store_home, capsys, tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    code = invoke("generate", "--local", "-m", "tiny", "-n", "30", "--json-schema", str(path), "--logprobs", "2", "hi")
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert 1 <= json.loads(out)["n"] <= 9
+    lines = [line for line in err.splitlines() if "top:" in line]
+    assert len(lines) >= 5 and all(line.count(",") >= 1 for line in lines)  # a line per token, two alternatives
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
+        (("generate", "--local", "-m", "tiny", "--json-schema", "/nonexistent.json", "hi"), "--json-schema: cannot read"),
+        (("generate", "--local", "-m", "tiny", "--logprobs", "21", "hi"), "logprobs must be an integer in [0, 20]"),
         (("generate", "--local", "-m", "nope", "hi"), "gpuserv pull smollm2"),
         (("generate", "--local", "-m", "tiny", "-n", "0", "hi"), "max_tokens must be an integer >= 1"),
         (("generate", "--local", "-m", "tiny", "-n", "600", "hi"), "exceeds the context length 512"),

@@ -245,3 +245,19 @@ def test_client_leaving_an_n_stream_mid_grammar_frees_every_choice(daemon):
     wait_until(lambda: daemon.status()["num_in_flight"] == 0, 10, what="the three choices to be aborted")
     tiny = {m["name"]: m for m in daemon.status()["models"]}["tiny"]
     assert tiny["kv_blocks_free"] == tiny["kv_blocks_total"]
+
+
+def test_cli_generate_json_schema_and_logprobs_through_the_daemon(daemon, tmp_path):
+    from typer.testing import CliRunner
+
+    from gpuservd.cli.main import app
+
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMAS[5]))  # integers and objects: bounded lengths
+    env = {"GPUSERV_SOCKET": str(daemon.socket)}
+    for raw in ([], ["--raw"]):
+        r = CliRunner().invoke(app, ["generate", "-m", "tiny", "-n", "80", "--json-schema", str(path),
+                                     "--logprobs", "3", *raw, "hello"], env=env)
+        assert r.exit_code == 0, r.output
+        jsonschema.validate(json.loads(r.stdout.strip()), SCHEMAS[5])
+        assert sum("top:" in line for line in r.stderr.splitlines()) >= 5

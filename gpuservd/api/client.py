@@ -51,6 +51,18 @@ class Delta:
     token_ids: list[int] | None  # new token ids (with return_token_ids)
     finish_reason: str | None  # set on the last content chunk
     usage: dict | None  # set on the usage chunk (stream_options.include_usage)
+    logprobs: list | None = None  # with logprobs: [(token, logprob, [(token, logprob), ...])] per new token
+
+
+def _logprobs(lp: dict | None) -> list | None:
+    """Chat's {"content": [...]} or completions' {"tokens", "token_logprobs", "top_logprobs"}, as one list."""
+    if not lp:
+        return None
+    if "content" in lp:
+        return [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+                for e in lp["content"] or []]
+    return [(t, v, list((top or {}).items())) for t, v, top in zip(lp["tokens"], lp["token_logprobs"],
+                                                                     lp["top_logprobs"])]
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -71,7 +83,7 @@ def _delta(chunk: dict) -> Delta:
         return Delta("", None, None, chunk.get("usage"))
     c = chunk["choices"][0]
     text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-    return Delta(text or "", c.get("token_ids"), c.get("finish_reason"), chunk.get("usage"))
+    return Delta(text or "", c.get("token_ids"), c.get("finish_reason"), chunk.get("usage"), _logprobs(c.get("logprobs")))
 
 
 def _sse_payloads(lines) -> Iterator[dict]:

@@ -8,6 +8,7 @@ and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -53,14 +54,32 @@ def pull(
     store_cmds.pull_command(name, force)
 
 
-def _sampling(max_tokens, temperature, top_p, top_k, seed, stop):
-    from gpuservd.engine.request import SamplingParams  # the engine (torch) only for --local
+def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, schema: dict | None = None,
+              logprobs: int | None = None):
+    from gpuservd.engine.request import GuidedSpec, SamplingParams  # the engine (torch) only for --local
 
+    guided = GuidedSpec("json_schema", json.dumps(schema), "--json-schema") if schema is not None else None
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop or [])
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=list(stop or []),
+        logprobs=logprobs, guided=guided,
     )
     params.validate()
     return params
+
+
+def _read_schema(path: Optional[Path]) -> dict | None:
+    """The JSON schema in --json-schema FILE, or a one-line error naming the flag."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"--json-schema: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--json-schema: {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise UserError(f"--json-schema: {path} must hold a JSON schema (an object)")
+    return schema
 
 
 def _engine(model: str, config: Optional[Path]):
@@ -71,11 +90,14 @@ def _engine(model: str, config: Optional[Path]):
     return LLMEngine.from_store(model, cfg)
 
 
-def _print_stream(engine, request_id, ids, params) -> object:
+def _print_stream(engine, request_id, ids, params, logprobs: list | None = None) -> object:
+    """Stream one request's text to stdout; its sampler.TokenLogprobs go into `logprobs` when given."""
     last = None
     for out in engine.stream(request_id, ids, params):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
+        if logprobs is not None:
+            logprobs += out.logprobs or []
         last = out
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -93,22 +115,30 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as plain text, without the chat template."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="A JSON schema file the reply must follow."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Print each token's logprob and the N most "
+                                           "likely alternatives to stderr (chat: up to 20, --raw: up to 5)."),
     config: Optional[Path] = ConfigOpt,
     local: bool = LocalOpt,
     socket: Optional[Path] = daemon_cmds.SocketOpt,
 ) -> None:
     """Generate a reply through the daemon (or in-process with --local), streaming it to the terminal."""
+    schema = _read_schema(json_schema)
     if not local:
         params = _remote_params(max_tokens, temperature, top_p, top_k, seed, stop, config)
-        remote.generate_remote(socket, model, prompt, raw, params)
+        remote.generate_remote(socket, model, prompt, raw, params, schema, logprobs)
         return
     from gpuservd.engine.tokenizer import encode_chat, encode_raw  # the engine (torch) only for --local
 
-    params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop)
+    params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, schema, logprobs)
     engine = _engine(model, config)
     tok = engine.tokenizer
     ids = encode_raw(tok, prompt) if raw else encode_chat(tok, [{"role": "user", "content": prompt}])
-    last = _print_stream(engine, "generate-0", ids, params)
+    entries: list = []
+    last = _print_stream(engine, "generate-0", ids, params, entries)
+    if logprobs is not None:
+        text = lambda t: tok.decode([t])  # noqa: E731
+        remote.print_logprobs([(text(e.token_id), e.logprob, [(text(t), v) for t, v in e.top]) for e in entries])
     if last is not None:
         typer.echo(f"[{last.num_output_tokens} tokens, finish: {last.finish_reason.value}]", err=True)
 

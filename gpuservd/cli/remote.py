@@ -26,9 +26,26 @@ def _no_daemon(exc: DaemonUnavailable) -> UserError:
     return UserError(f"{exc}; or run in-process with --local")
 
 
-def generate_remote(socket: Optional[Path], model: str, prompt: str, raw: bool, params: dict) -> None:
-    """`gpuserv generate` through the daemon: stream the reply to stdout, the token count to stderr."""
-    usage, finish = None, None
+def print_logprobs(entries: list) -> None:
+    """One line per generated token on stderr: the token, its logprob and the most likely alternatives."""
+    for token, logprob, top in entries:
+        alts = ", ".join(f"{json.dumps(t)} {v:.3f}" for t, v in top)
+        typer.echo(f"{json.dumps(token):>16} {logprob:9.4f}" + (f"   top: {alts}" if alts else ""), err=True)
+
+
+def generate_remote(socket: Optional[Path], model: str, prompt: str, raw: bool, params: dict,
+                    schema: dict | None = None, logprobs: int | None = None) -> None:
+    """`gpuserv generate` through the daemon: stream the reply to stdout, the token count (and the
+    logprobs, when asked) to stderr. schema: a JSON schema the reply must follow."""
+    params = dict(params)
+    if schema is not None:
+        if raw:
+            params["guided_json"] = schema
+        else:
+            params["response_format"] = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    if logprobs is not None:
+        params.update({"logprobs": logprobs} if raw else {"logprobs": True, "top_logprobs": logprobs})
+    usage, finish, entries = None, None, []
     try:
         with Client(socket) as client:
             stream = (client.completion_stream(model, prompt, **params) if raw else
@@ -38,9 +55,12 @@ def generate_remote(socket: Optional[Path], model: str, prompt: str, raw: bool, 
                 sys.stdout.flush()
                 finish = delta.finish_reason or finish
                 usage = delta.usage or usage
+                entries += delta.logprobs or []
     except DaemonUnavailable as exc:
         raise _no_daemon(exc) from None
     sys.stdout.write("\n")
+    if logprobs is not None:
+        print_logprobs(entries)
     if usage:
         typer.echo(f"[{usage['completion_tokens']} tokens, finish: {finish}]", err=True)
 
