@@ -343,7 +343,8 @@ class Serving:
         for rid, a in self.active.items():
             row = {"request_id": rid, "model": a.slot.name, "tenant": a.ctx.tenant.name, "uid": a.ctx.uid,
                    "age_s": round(now - a.ctx.arrival, 3), "num_prompt_tokens": a.num_prompt_tokens,
-                   "state": "tokenizing", "num_output_tokens": a.num_output_tokens, "num_preemptions": 0}
+                   "state": "tokenizing", "num_output_tokens": a.num_output_tokens, "num_preemptions": 0,
+                   "sampling": a.greq.summary()}
             row.update(views.get(rid, {}))
             out.append(row)
         return out

@@ -207,3 +207,19 @@ def test_console_imports_no_torch_nor_the_engine():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_requests_detail_says_what_sampling_applies(tmp_path):
+    recs = records()
+    for r in recs:
+        if r["source"] == "requests":
+            for row in r["data"]:
+                row["sampling"] = "t=0.7 top_p=0.9 seed=3 logprobs=5 json_schema (response_format)"
+    stream = tmp_path / "stream.ndjson"
+    stream.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    app = ConsoleApp.replay(stream)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        assert "sampling: t=0.7 top_p=0.9 seed=3 logprobs=5 json_schema (response_format)" in \
+            text_of(app, "#request-detail")

@@ -242,6 +242,10 @@ def test_client_leaving_an_n_stream_mid_grammar_frees_every_choice(daemon):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(12)]
         assert any('"index":2' in line for line in got) or any('"index":1' in line for line in got)
+        with daemon.http() as admin:
+            rows = admin.get("/admin/requests").json()["requests"]
+        assert len(rows) == 3  # one engine request per choice, each says what applies
+        assert all(r["sampling"] == "t=1 n=3 json_schema (guided_json)" for r in rows)
     wait_until(lambda: daemon.status()["num_in_flight"] == 0, 10, what="the three choices to be aborted")
     tiny = {m["name"]: m for m in daemon.status()["models"]}["tiny"]
     assert tiny["kv_blocks_free"] == tiny["kv_blocks_total"]

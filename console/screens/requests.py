@@ -110,6 +110,8 @@ class RequestsScreen(ConsoleScreen):
             text = (f"{r['request_id']}  model {r.get('model')}  tenant {r.get('tenant')} (uid {r.get('uid')})\n"
                     f"{r.get('state')}: {r.get('num_prompt_tokens')} prompt + {r.get('num_output_tokens')} generated "
                     f"tokens, preempted {r.get('num_preemptions', 0)}x, age {fmt_age(r.get('age_s'))}")
+            if r.get("sampling"):
+                text += f"\nsampling: {r['sampling']}"
         if rows is not None and not any("waited_s" in x for x in rows):
             text += f"\nqueue wait per request: {NOT_REPORTED}"
         self.query_one("#request-detail", Static).update(text)

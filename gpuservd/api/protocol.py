@@ -76,6 +76,30 @@ class GenerationRequest:
         """Engine requests this body fans out to (n, or best_of when larger)."""
         return max(self.n, self.best_of or 0)
 
+    def summary(self) -> str:
+        """What applies to this request, in a few words (the console's Requests screen, `requests ls`)."""
+        parts = ["greedy" if self.temperature == 0 else f"t={self.temperature:g}"]
+        for name, value, off in (("top_p", self.top_p, 1.0), ("top_k", self.top_k, 0), ("min_p", self.min_p, 0.0),
+                                 ("presence", self.presence_penalty, 0.0), ("frequency", self.frequency_penalty, 0.0),
+                                 ("repetition", self.repetition_penalty, 1.0), ("min_tokens", self.min_tokens, 0),
+                                 ("n", self.n, 1), ("best_of", self.best_of or 1, 1)):
+            if value != off:
+                parts.append(f"{name}={value:g}")
+        if self.seed is not None:
+            parts.append(f"seed={self.seed}")
+        if self.logit_bias:
+            parts.append(f"logit_bias({len(self.logit_bias)})")
+        if self.logprobs is not None:
+            parts.append(f"logprobs={self.logprobs}")
+        if self.guided:
+            parts.append(f"{self.guided['kind']} ({self.guided['field']})")
+        if self.tools:
+            choice = self.tool_choice["name"] if isinstance(self.tool_choice, dict) else self.tool_choice
+            parts.append(f"tools({len(self.tools)}, {choice})")
+        if self.echo:
+            parts.append("echo")
+        return " ".join(parts)
+
     def sampling_kwargs(self) -> dict:
         """The fields of the engine's SamplingParams this request sets (all but max_tokens and guided)."""
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
