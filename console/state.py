@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from gpuservd.events.types import Dropped, Hello, Hint, OtherEvent, Preemption, StepRecord, Swap, read_event
+
 LATENCY_WINDOW = 256  # steps per model in the P50 / P99 window and the chart
 RATE_WINDOW_S = 10.0  # tokens/s and swap rates are averaged over this many seconds
 LOG_SIZE = 2000  # events kept for the events screen
@@ -29,7 +31,7 @@ OPTIONAL_SOURCES = {
     "hints": "status.hints or events of type hint",
     "weight cache": "status.weight_cache, status.models[].tiers",
     "partitions": "status.partitions, status.arbiter",
-    "swap": "events swap (kind swap_out / swap_in, bytes_moved, seconds), swap_out / swap_in; step field swaps",
+    "swap": "events swap (direction out / in, bytes_moved, seconds), swap_out / swap_in; step field swaps",
 }
 SWAP_TYPES = ("swap", "swap_out", "swap_in")
 
@@ -142,14 +144,17 @@ class ConsoleState:
         self._changed()
 
     def ingest(self, event: dict) -> None:
-        """One event from /admin/events (a step record or anything else)."""
-        kind = event.get("type")
+        """One event from /admin/events (a step record or anything else), of either schema (read with
+        `read_event`). The log and the step rings keep the JSON as it came: a field an older daemon does
+        not send stays absent, so a screen says "not reported" rather than show a made-up zero."""
+        ev = read_event(event)
+        kind = ev.type if not isinstance(ev, OtherEvent) else ev.name
         self.num_events += 1
-        if kind == "hello":
+        if isinstance(ev, Hello):
             return
-        if kind == "step":
+        if isinstance(ev, StepRecord):
             self._step(event)
-        elif kind == "preemption":
+        elif isinstance(ev, Preemption):
             key = (event.get("model"), event.get("step_id"))
             entry = self._preemptions.get(key)
             if entry is not None and entry.get("derived"):
@@ -162,14 +167,14 @@ class ConsoleState:
         else:
             if kind in SWAP_TYPES:
                 self.swap_reported = True
-                how = str(event.get("direction") or (event.get("kind") if kind == "swap" else kind) or "")
-                self._swaps.append({"t": event.get("t", 0.0), "direction": "in" if how.endswith("in") else "out",
+                how = ev.direction if isinstance(ev, Swap) else kind  # a daemon that named the type swap_in/out
+                self._swaps.append({"t": ev.t or 0.0, "direction": "in" if how.endswith("in") else "out",
                                     "bytes": event.get("bytes", event.get("bytes_moved")) or 0})
-            elif kind == "hint":
+            elif isinstance(ev, Hint):
                 self.hints_reported = True
-                self._hints[str(event.get("name") or event.get("symptom"))] = event
-            elif kind == "dropped":
-                self.num_dropped += event.get("num_events", 0)
+                self._hints[str(ev.name or ev.symptom)] = event
+            elif isinstance(ev, Dropped):
+                self.num_dropped += ev.num_events
             self._append(event)
         self._changed()
 

@@ -53,8 +53,9 @@ def fmt_utc(t: float | None) -> str:
 
 
 def victim_cost(v: dict) -> str:
-    """A preemption victim's kind and cost: `swap 1.5 MiB 2.1 ms`, `recompute 120 tok`."""
-    parts = [str(v["kind"])] if v.get("kind") else []
+    """A preemption victim's move and cost: `swap 1.5 MiB 2.1 ms`, `recompute 120 tok`."""
+    move = v.get("move") or v.get("kind")  # schema 1 named the move "kind"
+    parts = [str(move)] if move else []
     moved = v.get("bytes_moved", v.get("bytes"))
     if moved:
         parts.append(fmt_bytes(moved))

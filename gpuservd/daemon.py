@@ -29,6 +29,7 @@ from pathlib import Path
 
 from gpuservd.daemon_config import HOT_FIELDS, DaemonConfig, load_daemon_config, parse_tcp
 from gpuservd.errors import UserError
+from gpuservd.events.types import Reload
 from gpuservd.sdnotify import Notifier, listen_fds, watchdog_interval_s
 
 log = logging.getLogger("gpuservd")
@@ -316,7 +317,7 @@ class Daemon:
         result = {"reloaded": True, "changed": changed, "engine_changed": engine_changed,
                   "needs_restart": restart, "tenants": tenants.names()}
         log.info("reloaded %s: %s", self.config_path or "defaults", result)
-        self.serving.bus.publish({"type": "reload", "t": time.time(), **result})
+        self.serving.bus.publish(Reload(**result))
         self.notifier.ready(self._status_line())
         return result
 

@@ -31,8 +31,10 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
 
 log = logging.getLogger("gpuservd.engine_loop")
 
@@ -110,8 +112,56 @@ class EngineHooks(Protocol):
     def on_abort(self, model: str, output: Any) -> None: ...
 
 
+@runtime_checkable
+class AnyEngineLoop(Protocol):
+    """What the daemon (a model's slot, the admin routes, metrics) and the benchmarks ask of one model's
+    running engine, wherever it runs: `EngineLoop` below (a thread of this process; the isolation bench
+    drives these directly) or `worker.proxy.WorkerLoop` (an engine worker process, engine.isolation:
+    process). Everything crosses as data: submissions and aborts in, deliveries and events out through
+    `on_post` on the event loop, `call(fn)` for anything else (fn must pickle: engine_calls.py)."""
+
+    model: str  # the model it runs
+    isolation: str  # thread | process
+    snapshot: LoopSnapshot  # what the engine last reported; replaced whole, read from any thread
+    ready: concurrent.futures.Future  # resolves once the engine is built (raises if the build failed)
+    admission_window_s: float  # how long an idle engine waits to batch a burst (a reload changes it)
+    engine: Any  # the engine object when it lives in this process; None in a worker process
+
+    @property
+    def pid(self) -> int | None:
+        """The worker process's pid; None when the engine runs in this process."""
+
+    @property
+    def alive(self) -> bool:
+        """The loop (thread or process) is running."""
+
+    def start(self) -> None:
+        """Build the engine (on its thread or in its process) and start stepping."""
+
+    def submit(self, sub: Submission) -> None:
+        """Queue a request; its outputs go to `sub.sink` (Accepted first, or Failed / EngineGone)."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next iteration (its KV blocks are free within one step)."""
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) between steps; the future holds its result."""
+
+    def set_arbiter(self, handle) -> concurrent.futures.Future:
+        """Share the device through an arbiter handle from the next step on (None: step freely)."""
+
+    def stop(self, timeout: float | None = ...) -> None:
+        """Abort what is left, end the loop and wait for it."""
+
+    def facts(self) -> Any:
+        """The built engine's engine_calls.EngineFacts (after `ready`)."""
+
+    def recent_steps(self, n: int) -> list[StepRecord]:
+        """The last n step records (a replay for /admin/events?recent=n)."""
+
+
 class EngineLoop:
-    """One model's engine on its own thread."""
+    """One model's engine on its own thread (an AnyEngineLoop)."""
 
     isolation = "thread"
     pid = None  # a worker process's pid (worker/proxy.py); None: this process
@@ -190,11 +240,11 @@ class EngineLoop:
 
         return EngineFacts.of(self.engine)
 
-    def recent_steps(self, n: int) -> list[dict]:
-        """The last n step records as `step` events (a replay for /admin/events?recent=n)."""
+    def recent_steps(self, n: int) -> list[StepRecord]:
+        """The last n step records (a replay for /admin/events?recent=n)."""
         if self.engine is None:
             return []
-        return [{"type": "step", **r.to_dict()} for r in self.engine.telemetry.recent(n)]
+        return self.engine.telemetry.recent(n)
 
     def _put(self, cmd: tuple) -> None:
         with self._cond:
@@ -237,7 +287,7 @@ class EngineLoop:
                 cmds, self._inbox = self._inbox, []
                 stopping = self._stopping
             deliveries: list[tuple] = []
-            events: list[dict] = []
+            events: list[Event] = []
             for cmd in cmds:
                 self._apply(cmd, deliveries)
             if stopping:
@@ -267,8 +317,8 @@ class EngineLoop:
             records = self._records[:]
             self._records.clear()
             for rec in records:
-                events.append({"type": "step", **rec.to_dict()})
-                events.extend(self._detail_events(rec))
+                events.append(rec)
+                events.extend(detail_events(rec))
                 if self._hooks is not None:
                     self._hooks.on_step(self.model, rec, outputs)
             if arbiter is not None:
@@ -352,8 +402,8 @@ class EngineLoop:
     def _engine_failed(self, exc: Exception, deliveries: list, events: list) -> None:
         error_id = self._log_internal(exc, "step")
         self.snapshot.num_engine_errors += 1
-        events.append({"type": "engine_error", "t": time.time(), "model": self.model, "error_id": error_id,
-                       "error": f"{type(exc).__name__}: {exc}", "num_failed_requests": len(self._sinks)})
+        events.append(EngineError(model=self.model, error_id=error_id, error=f"{type(exc).__name__}: {exc}",
+                                  num_failed_requests=len(self._sinks)))
         for rid, sink in list(self._sinks.items()):
             deliveries.append((sink, Failed(rid, exc, True, error_id)))
             try:
@@ -361,20 +411,6 @@ class EngineLoop:
             except Exception:  # the engine may be wedged; the requests are failed either way
                 pass
         self._sinks.clear()
-
-    def _detail_events(self, rec) -> list[dict]:
-        """A step's preemptions, KV swaps and mode changes as events of their own (for the console,
-        `gpuserv events` and the logs): the step record has them too, but one line per fact reads better."""
-        base = {"t": rec.t, "model": self.model, "step_id": rec.step_id}
-        out = []
-        if rec.num_preempted:
-            out.append({"type": "preemption", **base, "num_preempted": rec.num_preempted,
-                        "request_ids": list(rec.preempted_ids), "victims": list(rec.preemptions)})
-        for m in rec.swaps:
-            out.append({"type": "swap", **base, **m})
-        for e in rec.events:
-            out.append({"type": e["kind"], **base, **{k: v for k, v in e.items() if k != "kind"}})
-        return out
 
     def _urgent_waiting(self, priority: int) -> bool:
         """Engine thread, mid-forward (layer granularity): is a request above `priority` in the inbox?
@@ -387,8 +423,25 @@ class EngineLoop:
                   "".join(traceback.format_exception(exc)).rstrip())
         return error_id
 
-    def _publish(self, deliveries: list, events: list) -> None:
+    def _publish(self, deliveries: list, events: list[Event]) -> None:
         try:
             self._loop.call_soon_threadsafe(self._on_post, deliveries, events)
         except RuntimeError:  # the event loop is closed: the daemon is exiting
             pass
+
+
+def detail_events(rec: StepRecord) -> list[Event]:
+    """A step's preemptions, KV swaps and the engine's own events as events of their own (for the console,
+    `gpuserv events` and the logs): the step record has them too, but one line per fact reads better."""
+    base = {"t": rec.t, "model": rec.model, "step_id": rec.step_id}
+    out: list[Event] = []
+    if rec.num_preempted:
+        out.append(Preemption(**base, num_preempted=rec.num_preempted, request_ids=list(rec.preempted_ids),
+                              victims=[Victim.from_json(v) for v in rec.preemptions]))
+    for m in rec.swaps:
+        move = SwapMove.from_json(m)
+        out.append(Swap(**base, request_id=move.request_id, direction=move.direction, blocks=move.blocks,
+                        host_layers=move.host_layers, bytes_moved=move.bytes_moved, bytes_parked=move.bytes_parked,
+                        seconds=move.seconds))
+    out.extend(replace(e, **base) for e in rec.events)
+    return out

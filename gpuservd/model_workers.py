@@ -13,12 +13,12 @@ import asyncio
 import copy
 import logging
 import os
-import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuservd.engine_calls import EngineFacts, set_kv_limit
+from gpuservd.events.types import EngineWorkerExit
 from gpuservd.request_stream import ModelSlot
 from gpuservd.runner.model_config import load_arch
 from gpuservd.worker.build import WorkerSpec
@@ -89,5 +89,4 @@ def worker_exited(models: "Models", loop: WorkerLoop, info: dict) -> None:
     models.sharing.detach(slot.name)
     models.cache.device_evicted(slot.name)
     log.error("model %s failed: %s; %d requests failed", slot.name, slot.error, info["num_failed_requests"])
-    models.bus.publish({"type": "engine_worker_exit", "t": time.time(), "model": slot.name, "state": "failed",
-                        "device": slot.device or None, **info})
+    models.bus.publish(EngineWorkerExit(model=slot.name, state="failed", device=slot.device or None, **info))

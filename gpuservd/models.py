@@ -33,9 +33,10 @@ from gpuservd.config import torch_device
 from gpuservd.daemon_config import DaemonConfig
 from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.engine_calls import EngineFacts, request_views, set_tenant_quotas
-from gpuservd.engine_loop import EngineLoop
+from gpuservd.engine_loop import AnyEngineLoop, EngineLoop
 from gpuservd.errors import ModelNotServed, ModelPinned, ModelUnavailable, UserError, InvalidRequest
 from gpuservd.events import EventBus
+from gpuservd.events.types import CacheHitRateLow, ModelEvict, ModelLoad, ModelPin, ModelUnload, Prefetch
 from gpuservd.request_stream import ModelSlot
 from gpuservd.routing import VersionRouter, pick_plan
 from gpuservd.runner.model_config import load_arch
@@ -146,7 +147,7 @@ class Models:
         alert = self.hit_rate.observe(name, hit, cc.hit_rate_alert, cc.cache_size)
         if alert is not None:
             log.warning("weight cache: %s", alert["message"])
-            self.bus.publish({"type": "cache_hit_rate_low", "t": time.time(), **alert})
+            self.bus.publish(CacheHitRateLow(**alert))
 
     def _prefetch_after(self, name: str) -> None:
         """Warm the models likely to be asked for next (M3) when the device can take them without
@@ -165,7 +166,7 @@ class Models:
             self.prefetch_stats.issued += 1
             self.prefetch_stats.pending.add(nxt)
             log.info("prefetching model %s (follows %s with p=%.2f)", nxt, name, p)
-            self.bus.publish({"type": "prefetch", "t": time.time(), "model": nxt, "after": name, "probability": p})
+            self.bus.publish(Prefetch(model=nxt, after=name, probability=p))
             self._load_tasks[nxt] = asyncio.ensure_future(self._load_quietly(nxt))
 
     async def _load_quietly(self, name: str) -> None:
@@ -188,7 +189,7 @@ class Models:
         cfg.model = name
         slot = ModelSlot(name, cfg, pinned=pinned)
         self.slots[name] = slot
-        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "phase": "start"})
+        self.bus.publish(ModelLoad(model=name, phase="start"))
         t0 = time.monotonic()
         try:
             base, config_dir = self.sources.variant_dirs(name, model_dir)  # a variant (M6) runs on its base's config
@@ -207,7 +208,7 @@ class Models:
             raise
         on_layer = self._layer_reporter(slot)
         sources: list = []  # the weight source the engine thread chose (a variant's reports its delta bytes)
-        loop = None
+        loop: AnyEngineLoop | None = None
         try:
             if isolation == "process":
                 loop = worker_loop(self, slot, cfg, model_dir, on_layer)
@@ -242,9 +243,9 @@ class Models:
 
         def on_layer(i: int, seconds: float) -> None:
             slot.layers_ready = i + 1
-            aloop.call_soon_threadsafe(self.bus.publish, {
-                "type": "model_load", "t": time.time(), "model": slot.name, "device": slot.device, "phase": "layer",
-                "layer": i, "layers_loaded": i + 1, "num_layers": slot.num_layers, "layer_s": seconds})
+            aloop.call_soon_threadsafe(self.bus.publish, ModelLoad(
+                model=slot.name, device=slot.device, phase="layer", layer=i, layers_loaded=i + 1,
+                num_layers=slot.num_layers, layer_s=seconds))
 
         return on_layer
 
@@ -266,8 +267,8 @@ class Models:
         self.sharing.loaded(name, engine)  # its memory quota caps its KV pool (G3)
         return engine
 
-    def _loaded(self, slot: ModelSlot, loop, facts: EngineFacts, base: str | None, isolation: str, took: float,
-                sources: list) -> None:
+    def _loaded(self, slot: ModelSlot, loop: AnyEngineLoop, facts: EngineFacts, base: str | None, isolation: str,
+                took: float, sources: list) -> None:
         """The engine serves: the slot goes ready, the cache and the readers learn of it."""
         name = slot.name
         slot.max_model_len = facts.max_model_len
@@ -287,11 +288,9 @@ class Models:
         log.info("model %s ready on %s in %.1f s from the %s tier (%d KV blocks of %d tokens, context %d)%s", name,
                  slot.device, took, slot.source_tier, facts.num_kv_blocks, slot.config.block_size,
                  facts.max_model_len, f" in engine worker process {loop.pid}" if loop.pid else "")
-        self.bus.publish({"type": "model_load", "t": time.time(), "model": name, "device": slot.device,
-                          "phase": "ready", "load_s": took,
-                          "tier": slot.source_tier, "num_layers": slot.num_layers, "isolation": isolation,
-                          **({"worker_pid": loop.pid} if loop.pid else {}),
-                          **({"base": base, "delta_bytes_read": delta_read} if base else {})})
+        self.bus.publish(ModelLoad(model=name, device=slot.device, phase="ready", load_s=took, tier=slot.source_tier,
+                                   num_layers=slot.num_layers, isolation=isolation, worker_pid=loop.pid or None,
+                                   base=base or None, delta_bytes_read=delta_read if base else None))
 
     def _load_failed(self, slot: ModelSlot, exc: BaseException) -> None:
         if slot.name in self.sharing.names:
@@ -302,8 +301,7 @@ class Models:
         self._load_failed_at[slot.name] = time.monotonic()
         self.cache.device_evicted(slot.name)
         log.error("model %s failed to load: %s", slot.name, slot.error, exc_info=not isinstance(exc, UserError))
-        self.bus.publish({"type": "model_load", "t": time.time(), "model": slot.name, "phase": "failed",
-                          "device": slot.device or None, "error": slot.error})
+        self.bus.publish(ModelLoad(model=slot.name, phase="failed", device=slot.device or None, error=slot.error))
 
     # ---- placement: devices and eviction ----------------------------------------------------------
     async def _make_room(self, name: str) -> str:
@@ -322,9 +320,8 @@ class Models:
             if victim in self.prefetch_stats.pending:
                 self.prefetch_stats.pending.discard(victim)
                 self.prefetch_stats.wasted += 1
-            self.bus.publish({"type": "model_evict", "t": time.time(), "model": victim, "for": name,
-                              "device": plan.device,
-                              "to_tier": "host" if self.cache.residency(victim)["host"] else "disk"})
+            self.bus.publish(ModelEvict(model=victim, for_model=name, device=plan.device,
+                                        to_tier="host" if self.cache.residency(victim)["host"] else "disk"))
             await self.unload(victim, timeout=0)
         return plan.device
 
@@ -361,8 +358,7 @@ class Models:
         self.slots.pop(name, None)
         self.sharing.detach(name)
         self.cache.device_evicted(name)
-        self.bus.publish({"type": "model_unload", "t": time.time(), "model": name, "device": slot.device or None,
-                          "num_aborted": aborted})
+        self.bus.publish(ModelUnload(model=name, device=slot.device or None, num_aborted=aborted))
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
         return {"model": name, "num_finished": finished, "num_aborted": aborted}
 
@@ -370,7 +366,7 @@ class Models:
         slot = self.slot(name)
         slot.pinned = pinned
         self.cache.set_pinned(name, pinned)
-        self.bus.publish({"type": "model_pin", "t": time.time(), "model": name, "pinned": pinned})
+        self.bus.publish(ModelPin(model=name, pinned=pinned))
         return {"model": name, "pinned": pinned}
 
     def set_versions(self, alias: str, weights: dict | None) -> dict:
@@ -409,7 +405,8 @@ class Models:
                                  "dtype": eng.dtype, "dtype_reason": eng.dtype_reason}}
         sharing = self.sharing.status()
         data["sharing"] = sharing["backend"]  # the partition backend and its one-line summary
-        data["partitions"], data["quotas"], data["arbiter"] = sharing["partitions"], sharing["quotas"], sharing["arbiter"]
+        for key in ("partitions", "quotas", "arbiter"):
+            data[key] = sharing[key]
         data["versions"] = self.router.status()
         data["weight_cache"] = self.cache.status()
         load = self.device_load()  # M8: per device its tier (budget, bytes, models) and its load

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpuservd.api.protocol import GenerationRequest
-from gpuservd.engine_loop import Accepted, EngineGone, EngineLoop, Failed
+from gpuservd.engine_loop import Accepted, AnyEngineLoop, EngineGone, Failed
 from gpuservd.errors import EngineFailed, ModelUnavailable
 from gpuservd.tenants import Tenant
 
@@ -47,7 +47,7 @@ class ModelSlot:
         self.created = time.time()  # when the load started (wall clock, for /v1/models)
         self.pinned = pinned
         self.error: str | None = None
-        self.loop: EngineLoop | None = None  # or a worker.proxy.WorkerLoop (engine.isolation: process)
+        self.loop: AnyEngineLoop | None = None  # an EngineLoop, or a worker.proxy.WorkerLoop (isolation: process)
         self.worker_exit: dict | None = None  # how its engine worker process ended, when that failed it
         self.tokenizer = None  # the API's own copy: encoding never shares the engine thread's tokenizer
         self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"encode-{name}")

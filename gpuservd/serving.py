@@ -27,6 +27,7 @@ from gpuservd.engine_loop import Accepted, EngineGone, Failed, Submission
 from gpuservd.errors import (Draining, EngineFailed, InvalidRequest, ModelNotServed, ModelUnavailable,
                              PromptTooLong, QueueFull, ServingError, UserError)
 from gpuservd.events import EventBus
+from gpuservd.events.types import Drain, RequestFinished, RequestPrompt
 from gpuservd.hints.monitor import HintMonitor
 from gpuservd.models import Models
 from gpuservd.request_stream import ActiveRequest, ModelSlot, RequestContext, engine_gone
@@ -183,7 +184,7 @@ class Serving:
         try:
             ids = await self._prompt_ids(slot, greq)
             active.num_prompt_tokens = len(ids)
-            if self.bus.wants("request_prompt"):  # `gpuserv record --with-prompts` is listening
+            if self.bus.wants(RequestPrompt.type):  # `gpuserv record --with-prompts` is listening
                 self._publish_prompt(slot, greq, ctx, ids)
             params = self._sampling(greq, len(ids), slot)
             priority = ctx.tenant.effective_priority(greq.priority)
@@ -243,13 +244,11 @@ class Serving:
         if active.status == 200:
             slot.finish_times.append(now)
         ttft = (active.first_token_at - ctx.arrival) if active.first_token_at else None
-        event = {"type": "request_finished", "t": time.time(), "model": slot.name, "request_id": ctx.request_id,
-                 "tenant": ctx.tenant.name, "uid": ctx.uid, "status": active.status,
-                 "finish_reason": active.finish_reason, "num_prompt_tokens": active.num_prompt_tokens,
-                 "num_output_tokens": active.num_output_tokens, "ttft_s": ttft, "e2e_s": now - ctx.arrival,
-                 "priority": ctx.tenant.effective_priority(active.greq.priority),
-                 "arrival_t": time.time() - (now - ctx.arrival)}
-        self.bus.publish(event)
+        self.bus.publish(RequestFinished(
+            model=slot.name, request_id=ctx.request_id, tenant=ctx.tenant.name, uid=ctx.uid, status=active.status,
+            finish_reason=active.finish_reason, num_prompt_tokens=active.num_prompt_tokens,
+            num_output_tokens=active.num_output_tokens, ttft_s=ttft, e2e_s=now - ctx.arrival,
+            priority=ctx.tenant.effective_priority(active.greq.priority), arrival_t=time.time() - (now - ctx.arrival)))
         if self.config.server.log_requests:
             access_log.info(
                 "%s %s uid=%s pid=%s tenant=%s model=%s status=%s finish=%s prompt=%d output=%d ttft_ms=%s e2e_ms=%.1f",
@@ -261,8 +260,7 @@ class Serving:
         """The prompt as text (chat: the rendered template), for a recorder that asked for prompts."""
         text = greq.prompt if isinstance(greq.prompt, str) and greq.kind == "completion" else \
             slot.tokenizer.decode(ids, skip_special_tokens=False)
-        self.bus.publish({"type": "request_prompt", "t": time.time(), "model": slot.name,
-                          "request_id": ctx.request_id, "prompt": text})
+        self.bus.publish(RequestPrompt(model=slot.name, request_id=ctx.request_id, prompt=text))
 
     def cancel(self, request_id: str) -> bool:
         active = self.active.get(request_id)
@@ -298,12 +296,10 @@ class Serving:
             self.state = "draining"
             timeout = self.config.server.drain_timeout if timeout is None else timeout
             log.info("draining: %d requests in flight, waiting up to %.0f s", len(self.active), timeout)
-            self.bus.publish({"type": "drain", "t": time.time(), "phase": "start", "num_in_flight": len(self.active),
-                              "timeout_s": timeout})
+            self.bus.publish(Drain(phase="start", num_in_flight=len(self.active), timeout_s=timeout))
             self._drain_task = asyncio.ensure_future(self._wait_then_abort(list(self.active.values()), timeout))
         finished, aborted = await asyncio.shield(self._drain_task)
-        self.bus.publish({"type": "drain", "t": time.time(), "phase": "done", "num_finished": finished,
-                          "num_aborted": aborted})
+        self.bus.publish(Drain(phase="done", num_finished=finished, num_aborted=aborted))
         return {"num_finished": finished, "num_aborted": aborted}
 
     def abort_all(self) -> None:

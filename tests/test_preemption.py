@@ -168,7 +168,7 @@ def test_auto_mode_switches_on_skew_and_says_why(tiny_model_dir):
         eng.generate(ps, SamplingParams(max_tokens=n, **PARAMS))
     assert eng.scheduler.preemption_on
     events = [e for s in eng.telemetry.recent() for e in s.events]
-    on = [e for e in events if e["kind"] == "preemption_mode"]
+    on = [e for e in events if e.type == "preemption_mode"]
     assert on and on[-1]["enabled"] and on[-1]["ratio"] == 20.0 and on[-1]["p50"] == 2
     for _ in range(8):
         eng.generate(ps, SamplingParams(max_tokens=3, **PARAMS))
@@ -231,7 +231,7 @@ def test_layer_suspend_serves_urgent_request_then_resumes_exactly(tiny_model_dir
         for o in eng.step():
             got[o.request_id] += o.new_token_ids
     assert [got["bulk"], got["vip"]] == reference[:2]
-    kinds = [e["kind"] for s in eng.telemetry.recent() for e in s.events]
+    kinds = [e.type for s in eng.telemetry.recent() for e in s.events]
     assert kinds[:2] == ["layer_suspend", "layer_resume"]
     assert calls and eng.pool.num_free == eng.pool.num_blocks
 

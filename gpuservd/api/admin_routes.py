@@ -24,6 +24,7 @@ from gpuservd.api.metrics import CONTENT_TYPE
 from gpuservd.api.protocol import APIError
 from gpuservd.engine_calls import reset_prefix_cache
 from gpuservd.errors import ModelNotFound, UserError
+from gpuservd.events.types import SCHEMA_VERSION, Event, Hello, StepRecord, Versions
 from gpuservd.serving import Serving
 
 
@@ -128,7 +129,7 @@ def routes(serving: Serving, controller) -> list[Route]:
         if weights is not None and not isinstance(weights, dict):
             raise protocol.bad_request("weights must be an object of version name to weight", "weights")
         result = serving.set_versions(request.path_params["model"], weights)
-        serving.bus.publish({"type": "versions", "t": time.time(), **result})
+        serving.bus.publish(Versions(**result))
         return JSONResponse(result)
 
     @endpoint()
@@ -160,19 +161,19 @@ def routes(serving: Serving, controller) -> list[Route]:
         sub = serving.bus.subscribe(types)
         replay = []
         if recent > 0:
-            replay = [e for e in serving.bus.recent_events if types is None or e.get("type") in types]
-            if types is None or "step" in types:
+            replay = [e for e in serving.bus.recent_events if types is None or e.type in types]
+            if types is None or StepRecord.type in types:
                 for slot in list(serving.slots.values()):
                     if slot.loop is not None:
                         replay.extend(slot.loop.recent_steps(recent))
-                replay.sort(key=lambda e: e.get("t", 0))
+                replay.sort(key=lambda e: e.t)
 
-        def encode(event: dict) -> bytes:
-            line = json.dumps(event, separators=(",", ":"))
-            return f"event: {event.get('type', 'message')}\ndata: {line}\n\n".encode() if sse else (line + "\n").encode()
+        def encode(event: Event) -> bytes:
+            line = json.dumps(event.to_json(), separators=(",", ":"))
+            return f"event: {event.type}\ndata: {line}\n\n".encode() if sse else (line + "\n").encode()
 
         async def body():
-            yield encode({"type": "hello", "models": serving.model_names(False), "state": serving.state})
+            yield encode(Hello(models=serving.model_names(False), state=serving.state, schema=SCHEMA_VERSION))
             for event in replay:
                 yield encode(event)
             async for event in sub:

@@ -96,10 +96,10 @@ def preemption_costs(steps) -> dict:
         for rid in s.preempted_ids:
             per_request[rid] = per_request.get(rid, 0) + 1
         for p in s.preemptions:
-            kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+            kinds[p["move"]] = kinds.get(p["move"], 0) + 1
             reasons[p["reason"]] = reasons.get(p["reason"], 0) + 1
     swaps = [m for s in steps for m in s.swaps]
-    events = [e["kind"] for s in steps for e in s.events]
+    events = [e.type for s in steps for e in s.events]
     return {
         "scheduler_s": sum(s.decision_s for s in steps),
         "scheduler_share": sum(s.decision_s for s in steps) / wall,  # of step time

@@ -42,7 +42,8 @@ from gpuservd.config import EngineConfig
 from gpuservd.dtypes import choose_dtype
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
-from gpuservd.engine_loop import EngineLoop, Failed, Submission
+from gpuservd.engine_loop import AnyEngineLoop, EngineLoop, Failed, Submission
+from gpuservd.events.types import BandwidthThrottle, Event, StepRecord
 from gpuservd.gpu.readings import DeviceReader, PhaseSampler
 from gpuservd.sharing.arbiter import Arbiter
 from gpuservd.sharing.config import SharingClass, SharingConfig
@@ -111,8 +112,8 @@ class _Track:
 class _Driver:
     def __init__(self, aloop: asyncio.AbstractEventLoop):
         self.aloop = aloop
-        self.loops: dict = {}
-        self.events: list[dict] = []
+        self.loops: dict[str, AnyEngineLoop] = {}  # model -> its engine loop
+        self.events: list[Event] = []  # everything the engine loops published
         self._n = 0
         self.reader = None  # gpu.readings.DeviceReader of the device the phases run on
 
@@ -301,7 +302,7 @@ async def _main(spec: IsolationSpec, log) -> dict:
         phases[name]["engine_steps"] = _engine_steps(drv.events, spec.duration_s)
         if arb is not None:
             arbiters[name] = arb.status()
-            phases[name]["throttle_events"] = sum(1 for e in drv.events if e.get("type") == "bandwidth_throttle")
+            phases[name]["throttle_events"] = sum(1 for e in drv.events if isinstance(e, BandwidthThrottle))
         drv.events.clear()
         log(f"  {phases[name]}")
     slices: dict = {}
@@ -317,16 +318,16 @@ async def _main(spec: IsolationSpec, log) -> dict:
                                "foreign_cpu_share": [solo_small["foreign_cpu_share"], solo_big["foreign_cpu_share"]]}}
 
 
-def _engine_steps(events: list[dict], duration: float) -> dict:
+def _engine_steps(events: list[Event], duration: float) -> dict:
     """Each model's engine step time in a phase (forward + sampling; waits for the grant before the step
     are outside it, yields inside it are in): P50/P99 ms split by whether the step carried prefill, and
     busy_share, the step time over the phase's length (for the small model alone: the device share it needs)."""
     out: dict = {}
     for e in events:
-        if e.get("type") != "step":
+        if not isinstance(e, StepRecord):
             continue
-        kind = "prefill" if e.get("num_prefill_tokens") else "decode"
-        out.setdefault(e["model"], {}).setdefault(kind, []).append(e["wall_s"])
+        kind = "prefill" if e.num_prefill_tokens else "decode"
+        out.setdefault(e.model, {}).setdefault(kind, []).append(e.wall_s)
     return {m: {**{k: {"n": len(v), **(_ms(percentiles(v)) or {})} for k, v in kinds.items()},
                 "busy_share": round(sum(sum(v) for v in kinds.values()) / duration, 4)}
             for m, kinds in out.items()}

@@ -21,24 +21,27 @@ from pathlib import Path
 
 from gpuservd.bench.workload import Workload
 from gpuservd.bench.workload_schema import Arrival
+from gpuservd.events.types import Event, Hello, RequestFinished, RequestPrompt, read_event
 
 
-def trace_line(event: dict, t0: float, prompt: str | None = None) -> dict | None:
-    """One request_finished event as a trace line (None when it should not be replayed)."""
-    if event.get("status") != 200 or not event.get("num_output_tokens") or not event.get("num_prompt_tokens"):
+def trace_line(event: RequestFinished | dict, t0: float, prompt: str | None = None) -> dict | None:
+    """One request_finished event (or its JSON) as a trace line (None when it should not be replayed)."""
+    if not isinstance(event, RequestFinished):
+        event = RequestFinished.from_json(event)
+    if event.status != 200 or not event.num_output_tokens or not event.num_prompt_tokens:
         return None
-    arrival = event.get("arrival_t")
+    arrival = event.arrival_t
     if arrival is None:  # a daemon from before arrival_t: finish time minus latency
-        arrival = event["t"] - (event.get("e2e_s") or 0.0)
+        arrival = event.t - (event.e2e_s or 0.0)
     if arrival < t0:
         return None
-    line = {"t": round(arrival - t0, 4), "model": event["model"]}
+    line = {"t": round(arrival - t0, 4), "model": event.model}
     if prompt:
         line["prompt"] = prompt
     else:
-        line["prompt_tokens"] = int(event["num_prompt_tokens"])
-    line.update(output_tokens=int(event["num_output_tokens"]), priority=int(event.get("priority") or 0),
-                tenant=event.get("tenant") or "default")
+        line["prompt_tokens"] = int(event.num_prompt_tokens)
+    line.update(output_tokens=int(event.num_output_tokens), priority=int(event.priority or 0),
+                tenant=event.tenant or "default")
     return line
 
 
@@ -55,12 +58,14 @@ class TraceRecorder:
         self.models: dict[str, int] = {}  # model -> requests recorded
         self._lock = threading.Lock()
 
-    def feed(self, event: dict) -> None:
-        kind = event.get("type")
-        if kind == "request_prompt":
-            self.prompts[event["request_id"]] = event["prompt"]
-        elif kind == "request_finished":
-            prompt = self.prompts.pop(event.get("request_id"), None)
+    def feed(self, event: Event | dict) -> None:
+        """One event from the stream (its JSON as the client reads it, or the event itself)."""
+        if not isinstance(event, Event):
+            event = read_event(event)
+        if isinstance(event, RequestPrompt):
+            self.prompts[event.request_id] = event.prompt
+        elif isinstance(event, RequestFinished):
+            prompt = self.prompts.pop(event.request_id, None)
             line = trace_line(event, self.t0, prompt if self.with_prompts else None)
             with self._lock:
                 if line is None:
@@ -98,7 +103,7 @@ def record(client, out_path: Path, seconds: float | None, with_prompts: bool = F
         def read():
             try:
                 for event in client.events(types):
-                    if event.get("type") == "hello":
+                    if event.get("type") == Hello.type:
                         connected.set()
                     elif not stop.is_set():
                         rec.feed(event)

@@ -24,6 +24,7 @@ from rich.table import Table
 from gpuservd.api.client import Client
 from gpuservd.cli import systemd_cmds
 from gpuservd.errors import UserError
+from gpuservd.events.types import StepRecord, read_event
 
 SocketOpt = typer.Option(None, "--socket", "-s", envvar="GPUSERV_SOCKET",
                          help="The daemon's Unix socket (default: $XDG_RUNTIME_DIR/gpuserv/gpuserv.sock, "
@@ -174,16 +175,16 @@ def events(
             typer.echo(json.dumps(event) if as_json else _event_line(event))
 
 
-def _event_line(e: dict) -> str:
-    t = time.strftime("%H:%M:%S", time.localtime(e.get("t", time.time())))
-    kind = e.get("type")
-    if kind == "step":
-        return (f"{t} step {e['model']}#{e['step_id']}: {e['wall_s'] * 1000:.1f} ms, prefill {e['num_prefill_tokens']}"
-                f" decode {e['num_decode_tokens']}, running {e['num_running']} waiting {e['num_waiting']}, "
-                f"KV {e['kv_blocks_used']}/{e['kv_blocks_total']}"
-                + (f", preempted {e['num_preempted']}" if e.get("num_preempted") else ""))
-    rest = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("type", "t"))
-    return f"{t} {kind}: {rest}"
+def _event_line(data: dict) -> str:
+    e = read_event(data)
+    t = time.strftime("%H:%M:%S", time.localtime(e.t or time.time()))
+    if isinstance(e, StepRecord):
+        return (f"{t} step {e.model}#{e.step_id}: {e.wall_s * 1000:.1f} ms, prefill {e.num_prefill_tokens}"
+                f" decode {e.num_decode_tokens}, running {e.num_running} waiting {e.num_waiting}, "
+                f"KV {e.kv_blocks_used}/{e.kv_blocks_total}"
+                + (f", preempted {e.num_preempted}" if e.num_preempted else ""))
+    rest = ", ".join(f"{k}={v}" for k, v in data.items() if k not in ("type", "t"))
+    return f"{t} {data.get('type')}: {rest}"
 
 
 def logs(

@@ -26,6 +26,7 @@ from gpuservd.engine.scheduler import Scheduler
 from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.errors import UserError
+from gpuservd.events.types import Event, LayerResume, LayerSuspend, SwapMove, Victim
 from gpuservd.kv_cache.swap import HostKVPool, Swapper
 from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.decode_step import DecodeResult
@@ -86,7 +87,7 @@ class LLMEngine:
         # until measured) measures the link instead, through its CUDA events.
         if not cache.kv.is_cuda:
             self.scheduler.cost.host_bandwidth = self.swapper.probe_bandwidth()
-        self._events: list[dict] = []  # non-step events (auto-mode switches) for the next StepRecord
+        self._events: list[Event] = []  # the engine's own events (suspends, auto-mode switches) for the next StepRecord
         # Layer granularity: interrupt(priority) -> True when a request more urgent than that priority
         # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).
         self.interrupt = None
@@ -284,8 +285,8 @@ class LLMEngine:
             forward_s = time.perf_counter() - t1
             if isinstance(result, LayerCheckpoint):
                 self._suspended = _Suspended(sched, result, [c.request for c in sched.chunks], forward_s)
-                self._events.append({"kind": "layer_suspend", "layer": result.next_layer,
-                                     "request_ids": [c.request.request_id for c in sched.chunks]})
+                self._events.append(LayerSuspend(layer=result.next_layer,
+                                                  request_ids=[c.request.request_id for c in sched.chunks]))
             else:
                 if sched.num_prefill_tokens >= 4 * sched.num_decode_tokens:
                     self.scheduler.cost.observe_prefill(sched.num_prefill_tokens, forward_s)
@@ -324,8 +325,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.resume(sus.checkpoint, between=self._layer_hook(None))
         forward_s = time.perf_counter() - t0
-        self._events.append({"kind": "layer_resume", "layer": sus.checkpoint.next_layer,
-                             "request_ids": [r.request_id for r in sus.requests]})
+        self._events.append(LayerResume(layer=sus.checkpoint.next_layer,
+                                        request_ids=[r.request_id for r in sus.requests]))
         outputs = self._update(sus.sched, logits)
         sus.sched.decision_s = 0.0
         sus.sched.preemptions, sus.sched.moves, sus.sched.preempted_ids = [], [], []
@@ -357,8 +358,8 @@ class LLMEngine:
                 num_preempted=len(sched.preempted_ids),
                 preempted_ids=list(sched.preempted_ids),
                 num_finished=sum(o.finished for o in outputs),
-                preemptions=[p.to_dict() for p in sched.preemptions],
-                swaps=[_move_dict(m) for m in sched.moves],
+                preemptions=[Victim.from_json(p.to_dict()).to_json() for p in sched.preemptions],
+                swaps=[_swap_move(m).to_json() for m in sched.moves],
                 events=events,
                 preemption_on=self.scheduler.preemption_on,
                 kv_host_blocks_used=self.host_pool.num_used,
@@ -483,10 +484,10 @@ class LLMEngine:
         return [results[i] for i in ids]
 
 
-def _move_dict(m) -> dict:
-    return {"kind": f"swap_{m.direction}", "request_id": m.request_id, "blocks": len(m.device_blocks),
-            "host_layers": m.num_host_layers, "bytes_moved": m.bytes_moved, "bytes_parked": m.bytes_parked,
-            "seconds": m.seconds}
+def _swap_move(m) -> SwapMove:
+    return SwapMove(request_id=m.request_id, direction=m.direction, blocks=len(m.device_blocks),
+                    host_layers=m.num_host_layers, bytes_moved=m.bytes_moved, bytes_parked=m.bytes_parked,
+                    seconds=m.seconds)
 
 
 class _Suspended:

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gpuservd.config import Granularity, MoveKind, PreemptionMode
+from gpuservd.events.types import PreemptionModeSwitch
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.3) -> float:
@@ -143,7 +144,7 @@ class AutoMode:
         self.min_samples = min_samples
         self.enabled = False
 
-    def observe(self, output_len: int, running: list[int] = ()) -> dict | None:
+    def observe(self, output_len: int, running: list[int] = ()) -> PreemptionModeSwitch | None:
         """Record a finished request's output length, with the lengths so far of the requests still
         generating; returns a switch event (with its evidence) or None."""
         self.lengths.append(max(1, output_len))
@@ -165,6 +166,5 @@ class AutoMode:
         if want == self.enabled:
             return None
         self.enabled = want
-        return {"kind": "preemption_mode", "enabled": want, "p50": p50, "p99": p99, "ratio": round(skew, 3),
-                "threshold": self.ratio, "window": len(self.lengths), "running": len(running),
-                "p99_lower_bound": not p99_known}
+        return PreemptionModeSwitch(enabled=want, p50=p50, p99=p99, ratio=round(skew, 3), threshold=self.ratio,
+                                    window=len(self.lengths), running=len(running), p99_lower_bound=not p99_known)

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 
+from gpuservd.events.types import Event, Hint
 from gpuservd.hints.rule import Rule, Thresholds, missing_inputs
 from gpuservd.hints.rules_cache import RULES as CACHE_RULES
 from gpuservd.hints.rules_device import RULES as DEVICE_RULES
@@ -50,7 +51,11 @@ class HintMonitor:
         self.last_eval_s = 0.0  # how long the last evaluation took (it must stay cheap)
 
     # ---- input -------------------------------------------------------------------------------------
-    def observe(self, event: dict) -> None:
+    def observe(self, event: Event | dict) -> None:
+        """Every published event (a bus tap). The window keeps their JSON form: the rules run over
+        recordings of /admin/events too (doctor, tests), and read both alike."""
+        if isinstance(event, Event):
+            event = event.to_json()
         kind = event.get("type")
         if kind == "step":
             ring = self._steps.get(event["model"])
@@ -77,7 +82,7 @@ class HintMonitor:
 
     # ---- verdicts ----------------------------------------------------------------------------------
     def evaluate(self, now: float | None = None, models: dict | None = None, sweeps: dict | None = None,
-                 window: Window | None = None) -> list[dict]:
+                 window: Window | None = None) -> list[Hint]:
         """Run every rule; returns the `hint` events for hints that turned on or off."""
         t0 = time.perf_counter()
         now = time.time() if now is None else now
@@ -109,7 +114,7 @@ class HintMonitor:
             changes.append({**hint, "active": False, "t": now})
         self.num_evaluations += 1
         self.last_eval_s = time.perf_counter() - t0
-        return [{"type": "hint", **h, "t": now} for h in changes]
+        return [Hint(**{**h, "t": now}) for h in changes]
 
     def hints(self) -> list[dict]:
         """The active hints, oldest first."""
@@ -121,7 +126,7 @@ class HintMonitor:
                  "missing": self.missing[r.name]} for r in self.rules]
 
     # ---- the daemon --------------------------------------------------------------------------------
-    def tick(self, serving) -> list[dict]:
+    def tick(self, serving) -> list[Hint]:
         """One evaluation against a running Serving: sample its status, run the rules, publish changes."""
         now = time.time()
         status = serving.status()
@@ -136,8 +141,8 @@ class HintMonitor:
                                  "max_num_seqs": slot.config.scheduler.max_num_seqs if slot else None}
         changes = self.evaluate(now, models, _sweeps(models))
         for event in changes:
-            log.info("hint %s %s%s: %s", event["name"], "on" if event["active"] else "off",
-                     f" ({event['model']})" if event["model"] else "", event["evidence"])
+            log.info("hint %s %s%s: %s", event.name, "on" if event.active else "off",
+                     f" ({event.model})" if event.model else "", event.evidence)
             serving.bus.publish(event)
         return changes
 

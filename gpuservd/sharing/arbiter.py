@@ -53,6 +53,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from gpuservd.events.types import BandwidthThrottle, Event, TimeSlice
 from gpuservd.sharing.clock import WallClock
 from gpuservd.sharing.config import SharingClass, SharingConfig
 
@@ -409,13 +410,11 @@ class Arbiter:
                 m.duty = min(1.0, m.duty + t.increase)
             if m.duty != before and (why is not None or m.duty == 1.0):
                 self.num_throttle_changes += 1
-                self._events.append({"type": "bandwidth_throttle", "t": time.time(), "model": m.name,
-                                     "duty": round(m.duty, 4), "previous": round(before, 4),
-                                     "device": self.device, **(why or {"reason": "calm"})})
+                self._events.append(BandwidthThrottle(model=m.name, duty=round(m.duty, 4), previous=round(before, 4),
+                                                      device=self.device, **(why or {"reason": "calm"})))
 
     def _event(self, fields: dict) -> None:
-        self._events.append({"type": "time_slice", "t": time.time(), "device": self.device,
-                             "quantum_ms": self.config.quantum_ms, **fields})
+        self._events.append(TimeSlice(device=self.device, quantum_ms=self.config.quantum_ms, **fields))
 
     def observe_readings(self, readings: dict | None) -> None:
         """The device's memory-bandwidth use (NVML GPM on Hopper+; None elsewhere), for the bandwidth-priority controller."""
@@ -424,7 +423,7 @@ class Arbiter:
             self._mem_bw = (self.clock(), float(value))
 
     # ---- reading ----------------------------------------------------------------------------------
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list[Event]:
         out = []
         while True:
             try:
@@ -481,7 +480,7 @@ class ArbiterHandle:
     def idle(self) -> None:
         self.arbiter._idle(self.share)
 
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list[Event]:
         return self.arbiter.take_events()
 
     def close(self) -> None:

@@ -262,7 +262,7 @@ class SharingManager:
             self.arbiter.observe_readings(self.readings)
         return self.readings
 
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list:
         return self.arbiter.take_events() if self.arbiter is not None else []
 
     def status(self) -> dict:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from gpuservd.engine_loop import EngineGone, Failed, LoopSnapshot, Submission
 from gpuservd.errors import UserError
+from gpuservd.events.types import StepRecord
 
 log = logging.getLogger("gpuservd.worker")
 TERM_AFTER_S = 10.0  # a worker asked to stop gets this long before SIGTERM (stop()'s default timeout)
@@ -77,7 +78,7 @@ def _ends(item) -> bool:
 
 
 class WorkerLoop:
-    """One model's engine in a worker process."""
+    """One model's engine in a worker process (an engine_loop.AnyEngineLoop)."""
 
     isolation = "process"
     engine = None  # the engine lives in the worker; ask it through call()
@@ -99,7 +100,7 @@ class WorkerLoop:
         self._on_layer = on_layer
         self._on_death = on_death
         self._admission_window_s = spec.admission_window_s
-        self._steps: deque[dict] = deque(maxlen=spec.engine.telemetry_ring_size)  # step events, for replays
+        self._steps: deque[StepRecord] = deque(maxlen=spec.engine.telemetry_ring_size)  # step events, for replays
         self._facts = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -151,8 +152,8 @@ class WorkerLoop:
         """The worker's EngineFacts (after `ready`)."""
         return self._facts
 
-    def recent_steps(self, n: int) -> list[dict]:
-        """The last n step events the worker sent (a replay for /admin/events?recent=n)."""
+    def recent_steps(self, n: int) -> list[StepRecord]:
+        """The last n step records the worker sent (a replay for /admin/events?recent=n)."""
         steps = list(self._steps)
         return steps[-n:] if n > 0 else []
 
@@ -265,7 +266,7 @@ class WorkerLoop:
                     if sink is not None:
                         out.append((sink, item))
             self._run_hooks(hooks)
-            self._steps.extend(e for e in events if e.get("type") == "step")
+            self._steps.extend(e for e in events if isinstance(e, StepRecord))
             if out or events:
                 self._post(out, events)
         elif kind == "beat":

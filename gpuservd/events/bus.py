@@ -1,24 +1,21 @@
 """The live event stream behind GET /admin/events (O2: every step, every event).
 
-Events are dicts with a "type" ("step" for a per-step record; "preemption",
-"model_load", "model_unload", "drain", "reload", "request_finished",
-"engine_error", "swap" (a KV copy to or from the host pool), "preemption_mode" (auto mode
-switched, with its evidence), "layer_suspend" / "layer_resume", "hint" (a troubleshooting
-hint turned on or off), "request_prompt" (a request's prompt text: only to readers that name
-it in their types, e.g. `gpuserv record --with-prompts`). Publishing happens on the event
-loop (the engine threads post there once per step). Each reader has its own
-bounded queue: a reader that falls behind loses events rather than slowing
-the engine, and is told how many with a "dropped" event.
+Events are the dataclasses of types.py (each with one `type`: "step" for a
+per-step record, "preemption", "model_load", "request_finished", ...);
+`request_prompt` (a request's prompt text) goes only to readers that name it in
+their types, e.g. `gpuserv record --with-prompts`. Publishing happens on the
+event loop (the engine threads post there once per step). Each reader has its
+own bounded queue: a reader that falls behind loses events rather than slowing
+the engine, and is told how many with a `dropped` event.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
+from typing import Callable
 
-
-PRIVATE_TYPES = ("request_prompt",)  # sent only to readers that ask for the type by name
+from gpuservd.events.types import PRIVATE_TYPES, Dropped, Event, StepRecord, read_event
 
 
 class Subscription:
@@ -30,9 +27,9 @@ class Subscription:
         self.types = types  # None = all types
         self.num_dropped = 0  # events lost since the last "dropped" notice
 
-    def offer(self, event: dict | None) -> None:
-        if event is not None and (event.get("type") not in self.types if self.types is not None
-                                  else event.get("type") in PRIVATE_TYPES):
+    def offer(self, event: Event | None) -> None:
+        if event is not None and (event.type not in self.types if self.types is not None
+                                  else event.type in PRIVATE_TYPES):
             return
         try:
             self._queue.put_nowait(event)
@@ -47,10 +44,10 @@ class Subscription:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> Event:
         if self.num_dropped and not self._queue.full():
             n, self.num_dropped = self.num_dropped, 0
-            return {"type": "dropped", "t": time.time(), "num_events": n}
+            return Dropped(num_events=n)
         event = await self._queue.get()
         if event is None:
             raise StopAsyncIteration
@@ -66,20 +63,23 @@ class EventBus:
     def __init__(self, queue_size: int = 10000, keep: int = 256):
         self.queue_size = queue_size
         self._subs: set[Subscription] = set()
-        self.recent_events: deque[dict] = deque(maxlen=keep)  # non-step events, for a reader that just joined
+        self.recent_events: deque[Event] = deque(maxlen=keep)  # non-step events, for a reader that just joined
         self.num_published = 0
         self.num_dropped = 0
         self.closed = False
-        self.taps: list = []  # called with every event, synchronously (the hint monitor's window)
+        self.taps: list[Callable[[Event], None]] = []  # called with every event, synchronously (the hint monitor)
 
     def wants(self, kind: str) -> bool:
         """Does a reader ask for this (private) type by name?"""
         return any(sub.types is not None and kind in sub.types for sub in self._subs)
 
-    def publish(self, event: dict) -> None:
-        """Event loop thread only."""
+    def publish(self, event: Event | dict) -> None:
+        """Event loop thread only. A dict in the JSON shape (a replayed recording, a test) is read into
+        its type first."""
+        if not isinstance(event, Event):
+            event = read_event(event)
         self.num_published += 1
-        if event.get("type") not in ("step",) + PRIVATE_TYPES:
+        if not isinstance(event, StepRecord) and event.type not in PRIVATE_TYPES:
             self.recent_events.append(event)
         for tap in self.taps:
             tap(event)
