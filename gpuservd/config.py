@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from gpuservd.dtypes import choose_dtype
 from gpuservd.errors import Choice, UserError
 
@@ -72,7 +74,8 @@ ISOLATIONS = ("thread", "process")  # engine.isolation: where the daemon runs ea
 
 @dataclass
 class SchedulerConfig:
-    """Batch formation limits; prefill and decode are limited separately (S9)."""
+    """Batch formation limits; prefill and decode are limited separately (each
+    has its own batch size past which it stops gaining)."""
 
     policy: str = "fcfs"  # see engine.policy.Policy
     max_num_seqs: int = 64  # running sequences (the decode batch) at most
@@ -92,14 +95,14 @@ class VictimWeights:
 
 @dataclass
 class PreemptionConfig:
-    """When running requests give way, who gives way, and how their KV leaves (S2-S7).
+    """When running requests give way, who gives way, and how their KV leaves.
 
     See engine/preemption.py (triggers and the planner) and engine/victim.py (who).
     """
 
-    mode: str = "auto"  # auto | on | off: on lets waiting requests displace running ones (S7)
-    granularity: str = "token"  # request | token | layer (S2)
-    kind: str = "auto"  # auto (the planner) | swap | partial_swap | recompute (S3, S4)
+    mode: str = "auto"  # auto | on | off: on lets waiting requests displace running ones
+    granularity: str = "token"  # request | token | layer: how often a running request can be stopped
+    kind: str = "auto"  # auto (the planner) | swap | partial_swap | recompute
     victim_policy: str = "progress"  # newest | most_remaining | progress | weighted
     max_preemptions: int = 3  # a request preempted this many times is not chosen again (aging)
     min_exec_s: float = 0.2  # a request runs at least this long after (re)admission before it can be chosen
@@ -147,7 +150,7 @@ class EngineConfig:
 
     model: str = "smollm2"  # name in the model store
     device: str = "cpu"  # "cpu" or "cuda:N"
-    devices: list = field(default_factory=list)  # the daemon's devices (cache-aware routing, M8):
+    devices: list = field(default_factory=list)  # the daemon's devices (requests go where their model is):
     # [cuda:0, cuda:1] or CPU device slots [cpu:0, cpu:1]; empty = [device]. Each is its own device tier.
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto: gpuservd/dtypes.py chooses for the device
     dtype_reason: str = field(default="", metadata={"derived": True})  # why this dtype (set by validate)
@@ -166,7 +169,7 @@ class EngineConfig:
     cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
 
     def device_names(self) -> list[str]:
-        """The daemon's devices: engine.devices, else [engine.device] (one device, as before M8)."""
+        """The daemon's devices: engine.devices, else [engine.device] (one device)."""
         return check_devices(self.devices) if self.devices else [self.device]
 
     def validate(self) -> None:
@@ -238,7 +241,7 @@ def check_device(device: str, what: str = "engine.device") -> str:
         return device
     if not re.fullmatch(r"cuda(:\d+)?", device):
         raise UserError(f"{what} must be cpu or cuda:N, got {device!r}")
-    import torch
+    import torch  # only for a cuda:N device: the CLI imports this module and must start without torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if int(device.partition(":")[2] or 0) >= visible:
@@ -269,7 +272,7 @@ def check_devices(devices, visible_cuda=None) -> list[str]:
     cuda = sorted(i for k, i in seen if k == "cuda")
     if cuda:
         if visible_cuda is None:
-            import torch
+            import torch  # as in check_device: only when a CUDA device is named
 
             visible_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if cuda[-1] >= visible_cuda:
@@ -317,8 +320,6 @@ def config_from_dict(data: dict, where: str = "config") -> EngineConfig:
 
 def read_yaml_file(path: Path):
     """Parse a YAML config file; a missing file or bad YAML is a one-line UserError."""
-    import yaml
-
     try:
         return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:

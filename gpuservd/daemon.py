@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
+import platform
 import signal
 import socket
 import sys
@@ -27,10 +29,14 @@ import threading
 import time
 from pathlib import Path
 
+from gpuservd.api.client import Client
 from gpuservd.daemon_config import HOT_FIELDS, DaemonConfig, load_daemon_config, parse_tcp
 from gpuservd.errors import UserError
+from gpuservd.events import EventBus
 from gpuservd.events.types import Reload
+from gpuservd.routing import VersionRouter
 from gpuservd.sdnotify import Notifier, listen_fds, watchdog_interval_s
+from gpuservd.tenants import TenantMap
 
 log = logging.getLogger("gpuservd")
 
@@ -90,9 +96,7 @@ def bind_tcp(addr: str, backlog: int) -> socket.socket:
 
 
 def device_info(cfg: DaemonConfig) -> dict:
-    import platform
-
-    import torch
+    import torch  # here: `gpuserv plan` imports this module and needs torch only for a CUDA device
 
     dev = cfg.engine.device
     if dev.startswith("cuda"):
@@ -181,11 +185,11 @@ class Daemon:
 
     # ---- run --------------------------------------------------------------------------------------
     async def run(self) -> int:
+        # The serving stack (the engine, torch, the HTTP server) loads here, after the config was read and
+        # checked: a bad config is a one-line error at once, and `gpuserv plan` imports this module cheaply.
         from gpuservd.api.metrics import Metrics
         from gpuservd.api.server import build_app, make_server
-        from gpuservd.events import EventBus
         from gpuservd.serving import Serving
-        from gpuservd.tenants import TenantMap
 
         s = self.cfg.server
         tenants = TenantMap.load(s.tenants_path())
@@ -208,7 +212,7 @@ class Daemon:
         log.info("listening on %s%s (tenants: %s)", self.socket_path or "activated socket",
                  f" and tcp {s.tcp}" if s.tcp else "", tenants.path or "built-in default")
         self.notifier.status(f"loading {', '.join(s.models)}")
-        await asyncio.to_thread(serving.sharing.prepare, s.models)  # SM partitions before any engine (G1)
+        await asyncio.to_thread(serving.sharing.prepare, s.models)  # SM partitions before any engine binds to one
         await self._load_models(s.models)
         if serving.state == "starting":
             serving.state = "serving"
@@ -274,8 +278,6 @@ class Daemon:
 
     async def reload(self) -> dict:
         """SIGHUP / POST /admin/reload: re-read the config file and tenants; in-flight requests are untouched."""
-        from gpuservd.tenants import TenantMap
-
         self.notifier.reloading()
         try:
             new = self._load()
@@ -292,7 +294,7 @@ class Daemon:
             setattr(old, f, v)
         engine_changed = new.engine != self.cfg.engine
         if (new.engine.devices or self.cfg.engine.devices) and new.engine.device_names() != self.serving.devices:
-            # the device tiers (M8) are built at start
+            # the per-device weight tiers are built at start
             restart.append("engine.devices")
             new.engine.devices = list(self.cfg.engine.devices)
         self.cfg.engine = new.engine  # applies at the next model load
@@ -305,8 +307,6 @@ class Daemon:
         restart += self.serving.sharing.reconfigure(new.sharing, on_engine)  # shares, classes, quotas: now
         self.serving.set_tenants(tenants)
         if "versions" in changed:  # the file's version tables replace the run-time ones
-            from gpuservd.routing import VersionRouter
-
             self.serving.models.router = VersionRouter(old.versions)
         for slot in self.serving.slots.values():
             if slot.loop is not None:
@@ -347,8 +347,6 @@ class Daemon:
 
     def _run_demo(self) -> None:
         """`--demo PROMPT`: one request through our own socket, as any client sends it (make run)."""
-        from gpuservd.api.client import Client
-
         model = self.serving.model_names()[0] if self.serving.model_names() else None
         if model is None:
             print("demo: no model is ready; nothing to ask", file=sys.stderr, flush=True)
@@ -392,8 +390,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--demo", metavar="PROMPT", help="once ready, send PROMPT through the socket and print the reply")
     a = p.parse_args(argv)
-    import faulthandler
-
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID`: every thread's stack to the log
     try:
         code = run_daemon(a.config, a.socket, a.tcp, a.models, a.log_level, a.demo)

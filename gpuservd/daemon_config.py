@@ -16,6 +16,9 @@ from pathlib import Path
 from gpuservd.config import EngineConfig, _fill, config_from_dict, read_yaml_file
 from gpuservd.errors import UserError
 from gpuservd.paths import daemon_socket_path
+from gpuservd.routing import check_weights
+from gpuservd.sharing.config import SharingConfig, sharing_from_dict
+from gpuservd.weights.config import CacheConfig, apply_model_profile
 
 SYSTEM_CONFIG = Path("/etc/gpuserv/gpuserv.yaml")
 SECTIONS = ("engine", "scheduler", "preemption", "cache", "model", "sharing", "server")
@@ -64,7 +67,6 @@ class ServerConfig:
             parse_tcp(self.tcp)
         if not isinstance(self.versions, dict):
             raise UserError(f"server.versions must map a model name to {{version: weight}}, got {self.versions!r}")
-        from gpuservd.routing import check_weights
 
         for alias, weights in self.versions.items():
             check_weights(alias, weights)
@@ -132,12 +134,8 @@ class DaemonConfig:
 
     def __post_init__(self):
         if self.cache is None:
-            from gpuservd.weights.config import CacheConfig
-
             self.cache = CacheConfig()
         if self.sharing is None:
-            from gpuservd.sharing.config import SharingConfig
-
             self.sharing = SharingConfig()
 
 
@@ -149,7 +147,6 @@ def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonC
     if unknown:
         raise UserError(f"{where}: unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}")
     engine = config_from_dict({k: v for k, v in data.items() if k in ("engine", "scheduler", "preemption")}, where)
-    from gpuservd.weights.config import CacheConfig, apply_model_profile
 
     cache_raw = dict(data.get("cache") or {})
     profile_model = None
@@ -170,7 +167,6 @@ def daemon_config_from_dict(data: dict | None, where: str = "config") -> DaemonC
     if profile_model and profile_model not in server.models:
         server.models = list(server.models) + [profile_model]
     server.validate()
-    from gpuservd.sharing.config import sharing_from_dict
 
     sharing = sharing_from_dict(data.get("sharing"), where)
     return DaemonConfig(engine, server, None, cache, sharing)

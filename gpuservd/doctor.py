@@ -23,6 +23,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gpuservd.api.client import Client, DaemonError, DaemonUnavailable
+from gpuservd.daemon_config import load_daemon_config
+from gpuservd.errors import UserError
+from gpuservd.paths import client_socket_path, models_root
+
 GIB = 1 << 30
 LEVELS = {"ok": 0, "info": 0, "skip": 0, "warn": 1, "critical": 2}
 
@@ -111,9 +116,7 @@ def check_green_contexts(torch) -> Check:
 
 
 def check_sharing(sharing, device: str, choose=None) -> Check:
-    """What the daemon will enforce between models with this config (the backend it will pick, G1)."""
-    from gpuservd.errors import UserError
-
+    """What the daemon will enforce between models with this config (the SM partition backend it will pick)."""
     if choose is None:
         from gpuservd.gpu.backends import choose_backend as choose
     try:
@@ -220,8 +223,6 @@ def check_decode_path(model: dict) -> Check:
 
 def check_daemon(client) -> tuple[list[Check], list[dict]]:
     """The daemon's health and models, and its active hints (each one a check of its own)."""
-    from gpuservd.api.client import DaemonError, DaemonUnavailable
-
     try:
         health = client.request("GET", "/health")
     except DaemonUnavailable as exc:
@@ -253,18 +254,13 @@ def check_daemon(client) -> tuple[list[Check], list[dict]]:
 
 def run_checks(socket_path: Path | None = None, store: Path | None = None) -> dict:
     """Every check against this box and the daemon at socket_path; {"checks", "hints", "exit_code"}."""
-    import torch
-
-    from gpuservd.api.client import Client
-    from gpuservd.paths import client_socket_path, models_root
+    import torch  # only here: the checks take their outside world as arguments (module docstring)
 
     try:
         import pynvml as nvml
     except ImportError:
         nvml = None
     sock = Path(socket_path) if socket_path else client_socket_path()
-    from gpuservd.daemon_config import load_daemon_config
-    from gpuservd.errors import UserError
 
     checks = [check_python(), *check_torch(torch), check_nvml(nvml), check_green_contexts(torch),
               check_mps(torch.cuda.is_available())]

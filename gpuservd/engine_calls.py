@@ -36,7 +36,7 @@ def set_tenant_quotas(quotas, engine) -> None:
 
 
 def set_kv_limit(blocks: int | None, engine) -> None:
-    """Cap the KV pool at `blocks` (a memory quota, G3); None lifts the cap."""
+    """Cap the KV pool at `blocks` (a memory quota); None lifts the cap."""
     engine.pool.set_limit(blocks)
 
 

@@ -36,6 +36,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
 
+from gpuservd.engine_calls import EngineFacts
+from gpuservd.errors import UserError
+
 log = logging.getLogger("gpuservd.engine_loop")
 
 IDLE_TICK_S = 0.5  # an idle loop still wakes this often, for the heartbeat
@@ -171,7 +174,7 @@ class EngineLoop:
                  admission_window_s: float = 0.0, arbiter=None, on_exit: Callable[[], None] | None = None):
         self.model = model
         self._on_exit = on_exit  # called on the engine thread as it ends (a partition's unbind)
-        # sharing.arbiter.ArbiterHandle when the device is shared (G2/G4): asked before each step and
+        # sharing.arbiter.ArbiterHandle when the device is shared (time slices, bandwidth priority): asked before each step and
         # between layers, told when the loop goes idle; None = this engine steps whenever it has work.
         self.arbiter = arbiter
         # When a request wakes an idle engine, wait up to this long for more arrivals (ending early
@@ -236,8 +239,6 @@ class EngineLoop:
 
     def facts(self):
         """The built engine's EngineFacts (after `ready`)."""
-        from gpuservd.engine_calls import EngineFacts
-
         return EngineFacts.of(self.engine)
 
     def recent_steps(self, n: int) -> list[StepRecord]:
@@ -295,7 +296,7 @@ class EngineLoop:
                     self._abort(rid, deliveries)
                 self._publish(deliveries, events)
                 return
-            for rid, why in engine.unservable():  # a memory quota lowered under what they need (G3)
+            for rid, why in engine.unservable():  # a memory quota lowered under what they need
                 self._fail_unservable(rid, why, deliveries)
             outputs = []
             if engine.has_unfinished():
@@ -388,8 +389,6 @@ class EngineLoop:
                 self._hooks.on_abort(self.model, out)
 
     def _fail_unservable(self, request_id: str, why: str, deliveries: list) -> None:
-        from gpuservd.errors import UserError
-
         sink = self._sinks.pop(request_id, None)
         try:
             self.engine.abort(request_id)  # its KV blocks are free now

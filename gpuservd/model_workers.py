@@ -47,7 +47,7 @@ def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_laye
 
 
 async def worker_ready(models: "Models", slot: ModelSlot, loop: WorkerLoop, facts: EngineFacts) -> None:
-    """A worker's engine is built: its memory quota caps its KV pool (G3), the store bytes it read count."""
+    """A worker's engine is built: its memory quota caps its KV pool, the store bytes it read count."""
     models.sharing.worker_started(slot.name, loop.pid)
     cap = models.sharing.pool_loaded(slot.name, facts.bytes_per_block, facts.num_kv_blocks,
                                      lambda: loop.snapshot.kv_blocks_used)

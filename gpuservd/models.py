@@ -3,10 +3,10 @@
 Each model has a `ModelSlot`; its engine runs on its own EngineLoop thread, or
 in an engine worker process (`engine.isolation: process`) behind a WorkerLoop.
 A load picks the fastest weight tier (weights/sources.py), makes room on a
-device by evicting least recently used idle models (M7), and builds the engine
+device by evicting least recently used idle models (an LRU with a size limit), and builds the engine
 where it will be stepped.
 
-Devices (M8): `engine.devices` lists the daemon's devices (empty = the one
+Devices: `engine.devices` lists the daemon's devices (empty = the one
 `engine.device`). Every slot carries the device it runs on; a request for a
 model resident on a device goes there (a hit), and a load goes to the device
 `routing.choose_device` picks from the weight cache's per-device plans (no
@@ -67,7 +67,7 @@ class Models:
         self.device = device  # what the daemon runs on (backend, name, ...)
         self._end_requests = end_requests  # let a slot's requests finish up to a timeout, abort the rest
         self.slots: dict[str, ModelSlot] = {}
-        self.devices = config.engine.device_names()  # M8: [engine.device] unless engine.devices lists several
+        self.devices = config.engine.device_names()  # [engine.device] unless engine.devices lists several
         self.cache = WeightCache(config.cache, config.engine.device_memory_bytes, self.devices)
         self.sources = WeightSources(self.cache, lambda: config.engine, config.cache.compression)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
@@ -76,7 +76,7 @@ class Models:
         self.predictor = Predictor(min_prob=config.cache.prefetch_min_prob)
         self.prefetch_stats = PrefetchStats()
         self.hit_rate = HitRateWatch(HIT_WINDOW)
-        self.sharing = SharingManager(config, device)  # backend, plan, arbiter, quotas, readings (G1-G5)
+        self.sharing = SharingManager(config, device)  # backend, plan, arbiter, quotas, readings
 
     def model_names(self, ready_only: bool = True) -> list[str]:
         return sorted(n for n, s in self.slots.items() if s.state == "ready" or not ready_only)
@@ -105,7 +105,7 @@ class Models:
 
     # ---- on demand: load, hit rate, prefetch ------------------------------------------------------
     async def ensure_loaded(self, name: str, draining: bool) -> None:
-        """Load on demand (M2): a request for a store model that is not on the device starts its load,
+        """Load on demand: a request for a store model that is not on the device starts its load,
         and every request for it waits on that one load; other models keep serving meanwhile. Returns
         without loading when the model cannot be loaded now: admission then refuses the request."""
         cc = self.config.cache
@@ -129,7 +129,7 @@ class Models:
             if name not in ModelStore().names():
                 return  # admission answers 404 with the models there are
             task = self._load_tasks.get(name)
-            if task is None or task.done():  # one load, however many requests wait on it (M8)
+            if task is None or task.done():  # one load, however many requests wait on it (no load thrash)
                 task = self._load_tasks[name] = asyncio.ensure_future(self._load_quietly(name))
             waiter = asyncio.shield(task)
         else:
@@ -141,7 +141,7 @@ class Models:
                                    code="model_loading", retry_after_s=5) from None
 
     def _watch_hit_rate(self, name: str, hit: bool) -> None:
-        """M9: a device hit rate under cache.hit_rate_alert over the last lookups publishes one
+        """A device hit rate under cache.hit_rate_alert over the last lookups publishes one
         `cache_hit_rate_low` event with a sizing suggestion (again only after it recovers)."""
         cc = self.config.cache
         alert = self.hit_rate.observe(name, hit, cc.hit_rate_alert, cc.cache_size)
@@ -150,7 +150,7 @@ class Models:
             self.bus.publish(CacheHitRateLow(**alert))
 
     def _prefetch_after(self, name: str) -> None:
-        """Warm the models likely to be asked for next (M3) when the device can take them without
+        """Warm the models likely to be asked for next when the device can take them without
         evicting anything busy or more likely to be used soon."""
         in_store = set(ModelStore().names())
         for nxt, p in self.predictor.next_models(name):
@@ -178,7 +178,7 @@ class Models:
     # ---- load -------------------------------------------------------------------------------------
     async def load(self, name: str, pinned: bool = False) -> ModelSlot:
         """Load a model onto its own engine thread (or worker process), from the fastest tier that has
-        it (host copy, INT8 file, store), evicting least recently used idle models first (M7); returns
+        it (host copy, INT8 file, store), evicting least recently used idle models first; returns
         when it serves (or failed)."""
         slot = self.slots.get(name)
         if slot is not None and slot.state in ("ready", "loading"):
@@ -192,15 +192,15 @@ class Models:
         self.bus.publish(ModelLoad(model=name, phase="start"))
         t0 = time.monotonic()
         try:
-            base, config_dir = self.sources.variant_dirs(name, model_dir)  # a variant (M6) runs on its base's config
+            base, config_dir = self.sources.variant_dirs(name, model_dir)  # a variant runs on its base's config
             self.cache.claim(name)  # weights held for its variants stay while its engine is built
-            slot.device = await self._make_room(name)  # M8: the device it goes to
-            if cfg.devices:  # several devices (M8); with one, engine.device applies as before (reload too)
+            slot.device = await self._make_room(name)  # the device it goes to
+            if cfg.devices:  # several devices; with one, engine.device applies (reload too)
                 cfg.device = torch_device(slot.device)
             isolation = self.sharing.isolation(cfg.isolation)  # process: an engine worker process (mps: always)
             if isolation == "process" and base is not None:
                 raise UserError(f"model {name} is a variant of {base}: it runs on {base}'s weights in the daemon's "
-                                "memory (M6), which an engine worker process cannot share; load it with "
+                                "memory, which an engine worker process cannot share; load it with "
                                 "engine.isolation: thread (and a sharing.backend other than mps)")
             handle = self.sharing.attach(name, slot.device, isolation)  # the plan is redone with it; its arbiter
         except Exception as exc:
@@ -264,7 +264,7 @@ class Models:
         cc = self.config.cache
         initial = cc.initial_layers if cc.load_strategy == "layered" else None
         engine = make_engine(name, config_dir, cfg, source, initial, on_layer, self.quotas)
-        self.sharing.loaded(name, engine)  # its memory quota caps its KV pool (G3)
+        self.sharing.loaded(name, engine)  # its memory quota caps its KV pool
         return engine
 
     def _loaded(self, slot: ModelSlot, loop: AnyEngineLoop, facts: EngineFacts, base: str | None, isolation: str,
@@ -305,8 +305,8 @@ class Models:
 
     # ---- placement: devices and eviction ----------------------------------------------------------
     async def _make_room(self, name: str) -> str:
-        """Pick the device for `name` (M8) and evict least recently used idle models there until it
-        fits that device's tier (M7); returns the device."""
+        """Pick the device for `name` and evict least recently used idle models there until it
+        fits that device's tier; returns the device."""
         need = await asyncio.to_thread(self.sources.weight_bytes, name)
         busy = {n for n, s in self.slots.items() if n != name and (s.num_in_flight or s.state != "ready")}
         busy |= self.sources.base_set(name)  # a variant runs on its base's weights
@@ -409,7 +409,7 @@ class Models:
             data[key] = sharing[key]
         data["versions"] = self.router.status()
         data["weight_cache"] = self.cache.status()
-        load = self.device_load()  # M8: per device its tier (budget, bytes, models) and its load
+        load = self.device_load()  # per device its tier (budget, bytes, models) and its load
         tiers = data["weight_cache"].pop("devices")
         data["devices"] = {d: {**tier, "load": load.get(d, 0)} for d, tier in tiers.items()}
         data["weight_cache"]["prefetch"] = {"enabled": self.config.cache.prefetch, **self.prefetch_stats.to_dict()}

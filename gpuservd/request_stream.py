@@ -42,7 +42,7 @@ class ModelSlot:
     def __init__(self, name: str, config, pinned: bool = False):
         self.name = name
         self.config = config  # its EngineConfig
-        self.device = ""  # the device (slot) it is placed on, e.g. cuda:1 or cpu:0 (M8); "" until routed
+        self.device = ""  # the device (slot) it is placed on, e.g. cuda:1 or cpu:0; "" until routed
         self.state = "loading"  # loading | ready | unloading | failed
         self.created = time.time()  # when the load started (wall clock, for /v1/models)
         self.pinned = pinned

@@ -1,6 +1,7 @@
-"""Routing: which version serves a request (O4), and which device a model loads on (M8).
+"""Routing: which version serves a request (versions side by side, canary
+weights), and which device a model loads on (cache-aware: where it already is).
 
-Devices (cache-aware routing, M8). With several devices (`engine.devices`:
+Devices (cache-aware routing). With several devices (`engine.devices`:
 cuda:0..N, or CPU device slots cpu:0..N) a model is resident on at most one
 of them (replicas are a later step). A request for a model resident on D goes
 to D: a hit, nothing moves. Otherwise the load goes to the least-bad device,

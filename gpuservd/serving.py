@@ -1,7 +1,7 @@
 """What the HTTP layer serves: admission control, request streams, drain (over the hosted models).
 
 Runs on the event loop; the models themselves (slots, loads, eviction, device
-routing, workers) are `gpuservd/models.py`'s. Admission (MISSION S8, O4) is
+routing, workers) are `gpuservd/models.py`'s. Admission (tenants' priorities and quotas, versions) is
 decided here before a request reaches an engine: draining, an unknown model, a
 model not ready, a full per-model or per-tenant queue. Each refusal is a domain
 error (gpuservd/errors.py) that the API layer turns into its HTTP response. A
@@ -168,7 +168,7 @@ class Serving:
     async def start(self, greq: GenerationRequest, ctx: RequestContext) -> ActiveRequest:
         """Admit, tokenize and queue a request; returns once the engine accepted it (else raises a
         ServingError)."""
-        greq.model = self.models.router.pick(greq.model)  # a versioned name: the version that serves it (O4)
+        greq.model = self.models.router.pick(greq.model)  # a versioned name: the version that serves it
         await self.models.ensure_loaded(greq.model, draining=self.state == "draining")
         slot = self._admit(greq, ctx)
         active = ActiveRequest(slot, ctx, greq, self._dequeued, self._release)

@@ -1,4 +1,4 @@
-"""Tenants (S8): who sent a request decides its priority and its queue limits.
+"""Tenants: who sent a request decides its priority and its queue limits.
 
 A request over the Unix socket carries its peer's uid (SO_PEERCRED), which maps
 to a tenant through `profiles/tenants.yaml`; anyone unlisted is the `default`
@@ -14,7 +14,10 @@ import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from gpuservd.config import _fill
+from gpuservd.engine.quota import TenantQuota
 from gpuservd.errors import UserError
 
 
@@ -33,8 +36,6 @@ class Tenant:
     max_kv_blocks: int = 0  # KV blocks its requests may hold in a model's pool (0 = no limit)
 
     def quota(self):
-        from gpuservd.engine.quota import TenantQuota
-
         return TenantQuota(self.weight, self.max_running_seqs, self.max_kv_blocks)
 
     def effective_priority(self, asked: int | None) -> int:
@@ -97,7 +98,6 @@ class TenantMap:
     def load(cls, path: Path | None) -> "TenantMap":
         if path is None:
             return cls()
-        import yaml
 
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}

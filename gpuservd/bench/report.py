@@ -55,8 +55,8 @@ def system_summary(run: SystemRun, classes: list[str]) -> dict:
     tokens = run.generated_tokens
     return {
         "throughput_tok_s": tokens / run.wall_s if run.wall_s > 0 else None,
-        "latency_s": by_class(lambda r: r.finish_s - r.arrival_s),
-        "ttft_s": by_class(lambda r: r.first_token_s - r.arrival_s),
+        "latency_s": by_class(lambda r: r.latency_s),
+        "ttft_s": by_class(lambda r: r.ttft_s),
         "num_requests": len(run.requests),
         "generated_tokens": tokens,
         "wall_s": run.wall_s,

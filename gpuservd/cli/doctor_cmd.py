@@ -12,7 +12,6 @@ from typing import Optional
 import typer
 
 from gpuservd.cli import daemon_cmds
-from gpuservd.doctor import run_checks
 
 MARKS = {"ok": "ok", "info": "info", "skip": "skip", "warn": "WARN", "critical": "CRIT"}
 
@@ -20,6 +19,8 @@ MARKS = {"ok": "ok", "info": "info", "skip": "skip", "warn": "WARN", "critical":
 def doctor(socket: Optional[Path] = daemon_cmds.SocketOpt, as_json: bool = daemon_cmds.JsonOpt) -> None:
     """Check Python, torch and CUDA, the driver and NVML, green contexts, MPS, disk, socket, systemd and the
     daemon; list the active hints. Exit 0 healthy, 1 warnings, 2 critical."""
+    from gpuservd.doctor import run_checks  # the checks pull the GPU backends: only for `gpuserv doctor`
+
     report = run_checks(socket)
     if as_json:
         typer.echo(json.dumps(report, indent=2))

@@ -17,7 +17,6 @@ from typing import Optional
 import typer
 
 from gpuservd.config import EngineConfig, read_yaml_file
-from gpuservd.daemon_config import daemon_config_from_dict, load_daemon_config
 from gpuservd.errors import UserError
 
 GB = 1e9
@@ -25,7 +24,8 @@ GB = 1e9
 
 def load_profile(profile: Optional[Path]):
     """(sharing config, engine config, models, where, daemon config or None) from FILE or the daemon's config."""
-    # only for `gpuserv plan`: keeps every other command's start light
+    # only for `gpuserv plan`: the daemon's and sharing config pull the GPU backends
+    from gpuservd.daemon_config import daemon_config_from_dict, load_daemon_config
     from gpuservd.sharing.config import sharing_from_dict
 
     if profile is not None:

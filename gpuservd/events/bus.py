@@ -1,4 +1,5 @@
-"""The live event stream behind GET /admin/events (O2: every step, every event).
+"""The live event stream behind GET /admin/events: every step, every event (step granularity:
+per-second aggregates hide the steps that hurt).
 
 Events are the dataclasses of types.py (each with one `type`: "step" for a
 per-step record, "preemption", "model_load", "request_finished", ...);

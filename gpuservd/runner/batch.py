@@ -104,6 +104,30 @@ def group_decodes(ctx_lens: list[int]) -> list[list[int]]:
     return groups
 
 
+def _decode_groups(dec_ctx: list[int], dec_tables: list[list[int]], device: torch.device) -> list[DecodeGroup]:
+    """The decode rows in groups of similar context length (group_decodes), each with its padded block
+    table and, where lengths differ, the mask of the padding."""
+    groups = []
+    for members in group_decodes(dec_ctx):
+        nblk = len(dec_tables[members[0]])
+        members = sorted(members)  # ascending rows: a single group is then the identity order
+        table = [dec_tables[j] + [0] * (nblk - len(dec_tables[j])) for j in members]
+        lens = [dec_ctx[j] for j in members]
+        longest = max(lens)
+        mask = None
+        if min(lens) != longest:
+            mask = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]).to(device)
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor(members, dtype=torch.long, device=device),
+                block_table=torch.tensor(table, dtype=torch.long, device=device),
+                max_len=longest,
+                mask=mask,
+            )
+        )
+    return groups
+
+
 def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
     """Lay out chunks as a flat batch (decode chunks first) and compute all indices."""
     # Decode rows, then the prefill chunks the CPU kernel takes, then the rest: the kernel's rows are
@@ -145,24 +169,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         else:
             prefills.append(PrefillMeta(q_start, n, ctx, torch.tensor(c.block_ids[:need], device=device),
                                         kernel=rank(i) == 1))
-    groups = []
-    for members in group_decodes(dec_ctx):
-        nblk = len(dec_tables[members[0]])
-        members = sorted(members)  # ascending rows: a single group is then the identity order
-        table = [dec_tables[j] + [0] * (nblk - len(dec_tables[j])) for j in members]
-        lens = [dec_ctx[j] for j in members]
-        longest = max(lens)
-        mask = None
-        if min(lens) != longest:
-            mask = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]).to(device)
-        groups.append(
-            DecodeGroup(
-                rows=torch.tensor(members, dtype=torch.long, device=device),
-                block_table=torch.tensor(table, dtype=torch.long, device=device),
-                max_len=longest,
-                mask=mask,
-            )
-        )
+    groups = _decode_groups(dec_ctx, dec_tables, device)
     max_blocks = max((len(t) for t in dec_tables), default=0)
     decode_block_table = torch.tensor(
         [t + [0] * (max_blocks - len(t)) for t in dec_tables], dtype=torch.int32, device=device
