@@ -52,7 +52,7 @@ class Metrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.step = Histogram("gpuserv_step_duration_seconds", "Engine step wall time (schedule+forward+sample)", m,
                               buckets=STEP_BUCKETS, registry=r)
-        self.decision = Histogram("gpuserv_scheduler_decision_seconds", "Scheduler decision time per step (S6)", m,
+        self.decision = Histogram("gpuserv_scheduler_decision_seconds", "Scheduler decision time per step", m,
                                   buckets=STEP_BUCKETS, registry=r)
         self.preemptions_by_kind = Counter("gpuserv_preemptions", "Preemptions by how the KV left and why",
                                            m + ["kind", "reason"], registry=r)
@@ -206,7 +206,7 @@ class _SnapshotCollector:
 
 
 def _cache_metrics(cache):
-    """The weight cache (M9): lookups that found their model per tier, bytes resident per tier."""
+    """The weight cache: lookups that found their model per tier, bytes resident per tier."""
     hits = CounterMetricFamily("gpuserv_weight_cache_hits", "Model lookups that found the model in the tier",
                                labels=["tier"])
     misses = CounterMetricFamily("gpuserv_weight_cache_misses", "Model lookups that did not", labels=["tier"])
@@ -232,7 +232,7 @@ def _hint_gauges(monitor):
 
 
 def _sharing_metrics(st: dict):
-    """The arbiter (G2, G4) and memory quotas (G3), per model; nothing when the arbiter is off."""
+    """The arbiter (time slices, bandwidth priority) and memory quotas, per model; nothing when the arbiter is off."""
     m = ["model_name"]
     arb = st["arbiter"]
     if arb.get("enabled"):
@@ -252,7 +252,7 @@ def _sharing_metrics(st: dict):
         switch = CounterMetricFamily("gpuserv_arbiter_switch_seconds", "Time spent handing groups over")
         switch.add_metric([], arb["switch_s"])
         yield from (run, wait, slices, duty, usage, switch)
-    quota = GaugeMetricFamily("gpuserv_memory_quota_bytes", "The model's memory quota (G3)", labels=m)
+    quota = GaugeMetricFamily("gpuserv_memory_quota_bytes", "The model's memory quota", labels=m)
     used = GaugeMetricFamily("gpuserv_memory_quota_used_bytes", "Weights + KV in use + activations + overhead",
                              labels=m)
     for name, q in st["quotas"].items():

@@ -30,7 +30,7 @@ class ModelStatus:
     num_layers: int = 0
     layers_ready: int = 0  # a layered load serves before this reaches num_layers
     source_tier: str = ""  # where its weights were loaded from: host | disk | disk-int8
-    sharing_class: str = "best_effort"  # latency_critical | best_effort (sharing.models, G4)
+    sharing_class: str = "best_effort"  # latency_critical | best_effort (sharing.models)
     sharing_group: str = ""  # its SM group; "device" when the whole device is time-sliced
     num_sms: int | None = None  # SMs of its partition (an enforcing backend only)
     isolation: str = "thread"  # thread (an engine thread of the daemon) | process (an engine worker process)
@@ -55,7 +55,7 @@ class DaemonStatus:
     num_rejected_total: int  # refused with 4xx/5xx since start
     sharing: dict | None = None  # the SM-partition backend: {"name", "enforced", "summary", ...}
     arbiter: dict | None = None  # time slices and bandwidth priority (sharing/arbiter.py status())
-    devices: dict | None = None  # per device (M8): budget_bytes, used_bytes, models, cache_size, load
+    devices: dict | None = None  # per device: budget_bytes, used_bytes, models, cache_size, load
 
     @classmethod
     def from_dict(cls, data: dict) -> "DaemonStatus":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -185,11 +186,10 @@ def load_weights(
 ) -> ModelWeights:
     """Load a model into the runner's layout from a model directory or a tensor source (get / has).
 
-    initial_layers=k (layered loading, M5): return once layers [0, k) are in; the others load on
-    a background thread, and the runner waits per layer (ModelWeights.layer). on_layer(i, seconds)
-    is called as each layer lands (progress for status and events)."""
-    import time
-
+    initial_layers=k (layered loading: prefill starts before the whole model is in): return once
+    layers [0, k) are in; the others load on a background thread, and the runner waits per layer
+    (ModelWeights.layer). on_layer(i, seconds) is called as each layer lands (progress for status
+    and events)."""
     if onednn is None:
         onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source

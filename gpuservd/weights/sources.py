@@ -3,7 +3,7 @@
 A full model's weights come from the fastest tier that has them: already on the
 device (held for its variants), the host copy, else the store (its INT8 file
 under `cache.compression: int8`, written on first use). A variant (a delta over
-a base model, M6) runs on its base's weights in memory plus its own delta; the
+a base model) runs on its base's weights in memory plus its own delta; the
 base is loaded first, without an engine of its own, when it is not there.
 Everything built is registered with the weight cache, which shares it with the
 variants that come later. An engine worker process, which cannot see the
@@ -52,7 +52,7 @@ class WeightSources:
         self.compression = compression  # cache.compression: "int8" reads the store's INT8 file
 
     def base_of(self, name: str) -> str | None:
-        """A variant's base model (M6); None for a full model."""
+        """A variant's base model; None for a full model."""
         meta = ModelStore().variant_meta(name)
         return str(meta["base"]) if meta else None
 
@@ -74,7 +74,7 @@ class WeightSources:
 
     def weight_bytes(self, name: str) -> int:
         """Weight bytes a model will add to the device (from its files' headers; nothing is read):
-        a variant's delta, plus its base's weights when they are not there yet (M6)."""
+        a variant's delta, plus its base's weights when they are not there yet."""
         store, dtype = ModelStore(), DTYPES[self.engine().dtype]
         base = self.base_of(name)
         if base is not None:
@@ -84,7 +84,7 @@ class WeightSources:
         return expected_bytes(SafetensorsReader(store.path(name)), dtype)
 
     def weight_source(self, name: str, model_dir: Path):
-        """(weight source, tier name) for a load. A variant (M6): its delta over the base's weights
+        """(weight source, tier name) for a load. A variant: its delta over the base's weights
         in memory ("delta"), the base loaded first when absent ("delta+<base's tier>"). A full model:
         its weights held for its variants ("device"), else the host copy, else the store (its INT8
         file under compression: int8, written on first use); built weights are registered with the
