@@ -144,7 +144,7 @@ def _apply_penalties(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     counts = torch.zeros(R, V + 1, dtype=x.dtype, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=x.dtype))
     counts = counts[:, :V]
     rep = torch.tensor([r.params.repetition_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
-    if bool((rep != 1.0).any()):
+    if any(r.params.repetition_penalty != 1.0 for r in sub):
         prompt = _padded([r.prompt_token_ids for r in sub], V, dev)
         seen = torch.zeros(R, V + 1, dtype=torch.bool, device=dev).scatter_(1, prompt, True)[:, :V] | (counts > 0)
         y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
@@ -155,24 +155,29 @@ def _apply_penalties(x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return x
 
 
-def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """min_p, top_k and top_p over x [R, V] (after temperature); dropped tokens become -inf.
-    top_k int64 [R] (0 = off), top_p float [R] (1 = off), min_p float [R] (0 = off)."""
+def _truncate(x: torch.Tensor, params: list) -> torch.Tensor:
+    """min_p, top_k and top_p over x [R, V] (after temperature), one row per SamplingParams; dropped tokens
+    become -inf. Which steps run is decided from the params on the host (no device sync); only a top_p row
+    whose nucleus is larger than the candidates looked at costs one (then the whole vocabulary is sorted)."""
     R, V = x.shape
     neg = float("-inf")
-    if bool((min_p > 0).any()):
+    dev = x.device
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), neg)
-    has_k = top_k > 0
-    has_p = top_p < 1.0
-    if not bool((has_k | has_p).any()):
+    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         return x
-    want = int(top_k.max()) if bool(has_k.any()) else 0
-    if bool((has_p & ~has_k).any()):
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
+    has_k, has_p = top_k > 0, top_p < 1.0
+    want = max(p.top_k for p in params)
+    p_only = any(p.top_p < 1.0 and not p.top_k for p in params)
+    if p_only:
         want = max(want, NUCLEUS_CANDIDATES)
     for k in (min(V, want), V):
         vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending: [R, k]
-        pos = torch.arange(k, device=x.device).unsqueeze(0)
+        pos = torch.arange(k, device=dev).unsqueeze(0)
         k_row = torch.where(has_k, top_k.clamp(max=k), torch.full_like(top_k, k)).unsqueeze(1)
         vals = vals.masked_fill(pos >= k_row, neg)
         # Probabilities renormalized over the top-k for rows with top_k, over the whole vocabulary otherwise.
@@ -181,18 +186,18 @@ def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
         cum = torch.cumsum(sp, dim=-1)
         # The nucleus: the shortest prefix reaching top_p (the first token always stays).
         keep = (cum - sp < top_p.unsqueeze(1)) & (pos < k_row)
-        covered = has_k | ~has_p | (cum[:, -1] >= top_p)
-        if k == V or bool(covered.all()):
+        if k == V or not p_only or bool((has_k | ~has_p | (cum[:, -1] >= top_p)).all()):
             break
     out = torch.full_like(x, neg)
     return out.scatter_(1, ids, vals.masked_fill(~keep, neg))
 
 
-def _choose(logprobs: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def _choose(logprobs: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Greedy rows: argmax; the others: inverse CDF at their counter-based uniform. All [R]."""
     best = torch.argmax(logprobs, dim=-1)
-    if bool(greedy.all()):
+    if all(greedy):
         return best
+    greedy = torch.tensor(greedy, device=logprobs.device)
     probs = torch.exp(logprobs.double())
     cdf = torch.cumsum(probs, dim=-1)
     target = uniform(seeds, steps) * cdf[:, -1]
@@ -216,12 +221,9 @@ def _process(logits: torch.Tensor, reqs: list[Request], eos_ids, bitmask: torch.
     params = [r.params for r in reqs]
     temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=x.dtype, device=dev)
     x = x / temps.unsqueeze(1)
-    x = _truncate(x,
-                  torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-                  torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev),
-                  torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev))
+    x = _truncate(x, params)
     logprobs = torch.log_softmax(x, dim=-1)
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    greedy = [p.greedy for p in params]
     seeds = torch.tensor([r.sample_seed & 0x7FFFFFFFFFFFFFFF for r in reqs], dtype=torch.long, device=dev)
     steps = torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.long, device=dev)
     return logprobs, _choose(logprobs, greedy, seeds, steps)
