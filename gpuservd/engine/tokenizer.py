@@ -46,6 +46,24 @@ def _call_text(call: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 
+def _arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """Earlier tool calls with their arguments as objects: templates that render tools write them with
+    `tojson`, which would quote a JSON string a second time (vLLM passes objects too)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                try:
+                    args = json.loads(c["function"].get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    args = c["function"].get("arguments")
+                calls.append({**c, "function": {**c["function"], "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
 def _with_tool_prompt(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """The conversation for a template without tool support: the tools in a system prompt, earlier calls
     as <tool_call> text, tool results as <tool_response> user turns."""
@@ -83,7 +101,7 @@ def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if _renders_tools(tokenizer):
         wrapped = [{"type": "function", "function": t} for t in tools] if tools else None
-        text = tokenizer.apply_chat_template(messages, tools=wrapped, add_generation_prompt=True, tokenize=False,
+        text = tokenizer.apply_chat_template(_arguments_as_objects(messages), tools=wrapped, add_generation_prompt=True, tokenize=False,
                                              **extra)
     else:
         if tools or has_tool_turns:
