@@ -78,7 +78,8 @@ class Workload:
     ) -> list[WorkloadRequest]:
         """Concrete requests in arrival order. Prompt token ids are random ids that avoid the
         low (usually special) ids and EOS; `tokenize` is needed only for trace lines with `prompt` text."""
-        # A fifth stream for chats: the first four (and so every other workload's requests) stay as they were.
+        # A fifth stream for chats: the first four draw the same numbers whether or not a workload has
+        # chats, so a workload without chats keeps its requests (and its results stay comparable).
         streams = np.random.SeedSequence(self.seed).spawn(5)
         rng_cls, rng_arrival, rng_len, rng_tok, rng_chat = (np.random.default_rng(s) for s in streams)
         if self.arrival.process == "trace":
