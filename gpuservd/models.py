@@ -32,7 +32,7 @@ from gpuservd.api.status import ModelStatus
 from gpuservd.config import torch_device
 from gpuservd.daemon_config import DaemonConfig
 from gpuservd.engine.tokenizer import load_tokenizer
-from gpuservd.engine_calls import EngineFacts, request_views, set_tenant_quotas
+from gpuservd.engine_calls import EngineFacts, request_views, reset_prefix_cache, set_tenant_quotas
 from gpuservd.engine_loop import AnyEngineLoop, EngineLoop
 from gpuservd.errors import ModelNotServed, ModelPinned, ModelUnavailable, UserError, InvalidRequest
 from gpuservd.events import EventBus
@@ -375,6 +375,13 @@ class Models:
             return self.router.set(alias, weights)
         except UserError as exc:
             raise InvalidRequest(str(exc), "weights") from None
+
+    async def reset_prefix_cache(self, name: str) -> int:
+        """Forget a ready model's cached prefix blocks (between its steps); returns how many."""
+        slot = self.slots.get(name)
+        if slot is None or slot.loop is None or slot.state != "ready":
+            raise ModelNotServed(f"model {name} is not loaded", "model")
+        return await asyncio.wrap_future(slot.loop.call(partial(reset_prefix_cache)))
 
     async def stop_engines(self) -> None:
         for slot in list(self.slots.values()):

@@ -9,10 +9,8 @@ recent non-step events, so a console that connects late has context.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,7 +20,6 @@ from gpuservd.api import protocol
 from gpuservd.api.http import StreamResponse, endpoint
 from gpuservd.api.metrics import CONTENT_TYPE
 from gpuservd.api.protocol import APIError
-from gpuservd.engine_calls import reset_prefix_cache
 from gpuservd.errors import ModelNotFound, UserError
 from gpuservd.events.types import SCHEMA_VERSION, Event, Hello, StepRecord, Versions
 from gpuservd.serving import Serving
@@ -116,10 +113,7 @@ def routes(serving: Serving, controller) -> list[Route]:
     @endpoint()
     async def prefix_cache_reset(request: Request):
         name = request.path_params["model"]
-        slot = serving.slots.get(name)
-        if slot is None or slot.loop is None or slot.state != "ready":
-            raise APIError(404, f"model {name} is not loaded", "invalid_request_error", "model", "model_not_found")
-        forgotten = await asyncio.wrap_future(slot.loop.call(partial(reset_prefix_cache)))
+        forgotten = await serving.models.reset_prefix_cache(name)
         return JSONResponse({"model": name, "num_blocks_forgotten": forgotten})
 
     @endpoint()
