@@ -22,9 +22,9 @@ def run_in_app(check, config: dict, load=(), prepare=None) -> None:
     load `load`, run `await check(client, serving)`, and stop the engines."""
     from gpuservd.api.metrics import Metrics
     from gpuservd.api.server import build_app
-    from gpuservd.daemon_config import daemon_config_from_dict
-    from gpuservd.serving import Serving
-    from gpuservd.tenants import TenantMap
+    from gpuservd.serving.daemon_config import daemon_config_from_dict
+    from gpuservd.serving.serving import Serving
+    from gpuservd.serving.tenants import TenantMap
 
     async def main():
         metrics = Metrics()

@@ -85,7 +85,7 @@ def test_short_request_displaces_long_one_and_everyone_finishes(daemon):
 
 def test_bad_tenant_quota_is_a_clear_error(tmp_path, tiny_model_dir):
     from gpuservd.errors import UserError
-    from gpuservd.tenants import TenantMap
+    from gpuservd.serving.tenants import TenantMap
 
     p = tmp_path / "tenants.yaml"
     p.write_text("tenants:\n  - {name: x, weight: 0}\n")

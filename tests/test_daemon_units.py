@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from gpuservd import systemd_units
+from gpuservd.daemon import systemd_units
 from gpuservd.api import protocol, responses
 from gpuservd.api.protocol import APIError
-from gpuservd.daemon_config import daemon_config_from_dict
+from gpuservd.serving.daemon_config import daemon_config_from_dict
 from gpuservd.errors import UserError
-from gpuservd.sdnotify import Notifier, listen_fds, watchdog_interval_s
-from gpuservd.tenants import TenantError, TenantMap
+from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
+from gpuservd.serving.tenants import TenantError, TenantMap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,7 +193,7 @@ def test_watchdog_interval_and_listen_fds_env(monkeypatch):
 
 
 def test_watchdog_pings_only_while_engines_progress():
-    from gpuservd.daemon import Daemon
+    from gpuservd.daemon.run import Daemon
 
     now = time.monotonic()
     loop = SimpleNamespace(alive=True, snapshot=SimpleNamespace(heartbeat=now))
@@ -270,7 +270,7 @@ def test_client_and_cli_do_not_import_torch():
 def test_the_example_config_is_the_defaults():
     from dataclasses import asdict
 
-    from gpuservd.daemon_config import load_daemon_config
+    from gpuservd.serving.daemon_config import load_daemon_config
 
     example = load_daemon_config(ROOT / "profiles" / "gpuserv.yaml")
     defaults = daemon_config_from_dict({})

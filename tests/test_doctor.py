@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpuservd import doctor
+from gpuservd.daemon import doctor
 from gpuservd.api.client import DaemonError, DaemonUnavailable
-from gpuservd.doctor import Check, exit_code
+from gpuservd.daemon.doctor import Check, exit_code
 from test_cli import invoke
 
 

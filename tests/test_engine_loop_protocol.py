@@ -7,7 +7,7 @@ import asyncio
 import inspect
 from types import SimpleNamespace
 
-from gpuservd.engine_loop import AnyEngineLoop, EngineLoop
+from gpuservd.engine.loop import AnyEngineLoop, EngineLoop
 from gpuservd.worker.proxy import WorkerLoop
 
 

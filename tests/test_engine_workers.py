@@ -114,7 +114,7 @@ def test_cpu_workers_without_num_threads_are_warned_about(daemon, caplog):
     such worker on the same CPU is a warning with the fix. (This daemon sets num_threads: 1, so no warning.)"""
     from types import SimpleNamespace as NS
 
-    from gpuservd.model_workers import warn_cpu_oversubscription
+    from gpuservd.serving.model_workers import warn_cpu_oversubscription
 
     assert "oversubscribe" not in daemon.log
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuservd.engine_loop import detail_events
+from gpuservd.engine.loop import detail_events
 from gpuservd.events import EventBus
 from gpuservd.events import types as ev
 
 FIXTURE = Path(__file__).parent / "console_fixtures" / "stream.ndjson"
 
-# Schema-1 lines as the daemon wrote them before the event types (from engine_loop's and the engine's dicts).
+# Schema-1 lines as the daemon wrote them before the event types.
 OLD_SWAP = {"type": "swap", "t": 5.0, "model": "m", "step_id": 9, "kind": "swap_out", "request_id": "r1",
             "blocks": 4, "host_layers": 2, "bytes_moved": 4096, "bytes_parked": 1024, "seconds": 0.002}
 OLD_VICTIM = {"kind": "partial_swap", "request_id": "r1", "reason": "memory", "blocks_freed": 3,

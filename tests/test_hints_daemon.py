@@ -182,7 +182,7 @@ def test_prompt_text_goes_only_to_a_reader_that_asks(run):
     fin = [e for e in got if e["type"] == "request_finished"]
     # no priority asked: the tenant's own, as profiles/tenants.yaml maps this test's uid (root -> ops,
     # priority 10; anyone else -> default, 0)
-    from gpuservd.tenants import TenantMap
+    from gpuservd.serving.tenants import TenantMap
 
     mine = TenantMap.load(ROOT / "profiles" / "tenants.yaml").resolve(os.getuid(), None)
     assert [(e["tenant"], e["priority"]) for e in fin] == [(mine.name, mine.priority)] * 2

@@ -10,7 +10,7 @@ import pytest
 
 from gpuservd.config import check_devices
 from gpuservd.errors import UserError
-from gpuservd.routing import DeviceOption, choose_device
+from gpuservd.serving.routing import DeviceOption, choose_device
 from gpuservd.weights.cache import CacheFull, WeightCache
 from gpuservd.weights.config import CacheConfig
 from inprocess_app import run_in_app
@@ -112,7 +112,7 @@ def test_single_device_api_is_unchanged():
     (["cuda:7"], "cuda:7 is not there"),
 ])
 def test_bad_devices_are_one_line_errors_naming_the_setting(devices, message):
-    from gpuservd.daemon_config import daemon_config_from_dict
+    from gpuservd.serving.daemon_config import daemon_config_from_dict
 
     with pytest.raises(UserError) as e:
         daemon_config_from_dict({"engine": {"devices": devices}})
@@ -120,7 +120,7 @@ def test_bad_devices_are_one_line_errors_naming_the_setting(devices, message):
 
 
 def test_devices_default_to_the_one_device():
-    from gpuservd.daemon_config import daemon_config_from_dict
+    from gpuservd.serving.daemon_config import daemon_config_from_dict
 
     assert daemon_config_from_dict({}).engine.device_names() == ["cpu"]
     assert daemon_config_from_dict({"engine": {"devices": ["cpu:0", "cpu:1"]}}).engine.device_names() == \

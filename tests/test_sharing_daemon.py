@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gpuservd.daemon_config import daemon_config_from_dict
+from gpuservd.serving.daemon_config import daemon_config_from_dict
 from gpuservd.errors import UserError
 from inprocess_app import run_in_app
 
@@ -170,8 +170,8 @@ def test_bad_sharing_config_says_what_to_fix(sharing, message):
 
 
 def test_green_context_asked_for_on_a_cpu_is_a_clear_error(two_models):
-    from gpuservd.serving import Serving
-    from gpuservd.tenants import TenantMap
+    from gpuservd.serving.serving import Serving
+    from gpuservd.serving.tenants import TenantMap
 
     cfg = daemon_config_from_dict({"sharing": {"backend": "green_context"}})
     with pytest.raises(UserError, match="sharing.backend green_context is not available on cpu"):

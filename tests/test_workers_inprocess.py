@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from gpuservd.daemon_config import daemon_config_from_dict
+from gpuservd.serving.daemon_config import daemon_config_from_dict
 from gpuservd.errors import UserError
 from inprocess_app import run_in_app
 
@@ -116,7 +116,7 @@ def test_a_worker_that_does_not_stop_gets_sigterm_then_sigkill(store_home, monke
     import signal
 
     from gpuservd.config import EngineConfig
-    from gpuservd.engine_calls import request_views
+    from gpuservd.engine.calls import request_views
     from gpuservd.store.store import ModelStore
     from gpuservd.worker import proxy
     from gpuservd.worker.build import WorkerSpec

@@ -22,7 +22,7 @@ from gpuservd.api.metrics import CONTENT_TYPE
 from gpuservd.api.protocol import APIError
 from gpuservd.errors import ModelNotFound, UserError
 from gpuservd.events.types import SCHEMA_VERSION, Event, Hello, StepRecord, Versions
-from gpuservd.serving import Serving
+from gpuservd.serving.serving import Serving
 
 
 async def _json_body(request: Request) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gpuservd.api import responses, tools
 from gpuservd.api.protocol import GenerationRequest
-from gpuservd.request_stream import ActiveRequest
+from gpuservd.serving.request_stream import ActiveRequest
 
 
 class Choice:

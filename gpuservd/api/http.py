@@ -22,8 +22,8 @@ from gpuservd.api import protocol
 from gpuservd.api.errors import to_api_error
 from gpuservd.api.protocol import APIError
 from gpuservd.errors import ServingError
-from gpuservd.request_stream import RequestContext
-from gpuservd.tenants import TenantError
+from gpuservd.serving.request_stream import RequestContext
+from gpuservd.serving.tenants import TenantError
 
 log = logging.getLogger("gpuservd.api")
 

@@ -27,8 +27,8 @@ from gpuservd.api.errors import to_api_error
 from gpuservd.api.http import StreamResponse, endpoint, request_context
 from gpuservd.api.protocol import GenerationRequest
 from gpuservd.errors import ServingError
-from gpuservd.request_stream import ActiveRequest
-from gpuservd.serving import Serving
+from gpuservd.serving.request_stream import ActiveRequest
+from gpuservd.serving.serving import Serving
 
 
 async def _start_all(serving: Serving, greq: GenerationRequest, ctx) -> list[ActiveRequest]:

@@ -42,7 +42,7 @@ from gpuservd.config import EngineConfig
 from gpuservd.dtypes import choose_dtype
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
-from gpuservd.engine_loop import AnyEngineLoop, EngineLoop, Failed, Submission
+from gpuservd.engine.loop import AnyEngineLoop, EngineLoop, Failed, Submission
 from gpuservd.events.types import BandwidthThrottle, Event, StepRecord
 from gpuservd.gpu.readings import DeviceReader, PhaseSampler
 from gpuservd.sharing.arbiter import Arbiter

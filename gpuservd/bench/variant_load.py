@@ -31,16 +31,16 @@ import torch
 
 from gpuservd.bench.cold import drop_page_cache as _drop
 from gpuservd.bench.output import write_result
-from gpuservd.daemon_config import daemon_config_from_dict
+from gpuservd.serving.daemon_config import daemon_config_from_dict
 from gpuservd.kv_cache.cache import KVCache, cache_shape
 from gpuservd.runner.batch import SeqChunk, build_batch
 from gpuservd.runner.llama import LlamaModel
 from gpuservd.runner.load import SafetensorsReader, load_weights
 from gpuservd.runner.model_config import load_arch
-from gpuservd.serving import Serving
+from gpuservd.serving.serving import Serving
 from gpuservd.store.layout import read_config
 from gpuservd.store.store import ModelStore
-from gpuservd.tenants import TenantMap
+from gpuservd.serving.tenants import TenantMap
 from gpuservd.weights.delta import CountingSource, VariantSource, make_adapter
 
 

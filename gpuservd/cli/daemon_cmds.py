@@ -63,7 +63,7 @@ def serve(
                                        "print the reply (the daemon keeps serving)."),
 ) -> None:
     """Run the daemon in the foreground (Ctrl-C drains and stops). Same as `gpuservd`."""
-    from gpuservd.daemon import run_daemon  # torch loads with the engine, not at `gpuserv --help`
+    from gpuservd.daemon.run import run_daemon  # torch loads with the engine, not at `gpuserv --help`
 
     code = run_daemon(config, socket, tcp, model, log_level, demo)
     raise typer.Exit(code)

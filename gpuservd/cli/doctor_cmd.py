@@ -1,6 +1,6 @@
 """`gpuserv doctor [--json]`: the box's and the daemon's health checks plus the active hints.
 
-Exit code 0 when healthy, 1 with warnings, 2 with critical problems (see gpuservd/doctor.py).
+Exit code 0 when healthy, 1 with warnings, 2 with critical problems (see gpuservd/daemon/doctor.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ MARKS = {"ok": "ok", "info": "info", "skip": "skip", "warn": "WARN", "critical":
 def doctor(socket: Optional[Path] = daemon_cmds.SocketOpt, as_json: bool = daemon_cmds.JsonOpt) -> None:
     """Check Python, torch and CUDA, the driver and NVML, green contexts, MPS, disk, socket, systemd and the
     daemon; list the active hints. Exit 0 healthy, 1 warnings, 2 critical."""
-    from gpuservd.doctor import run_checks  # the checks pull the GPU backends: only for `gpuserv doctor`
+    from gpuservd.daemon.doctor import run_checks  # the checks pull the GPU backends: only for `gpuserv doctor`
 
     report = run_checks(socket)
     if as_json:

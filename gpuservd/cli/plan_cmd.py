@@ -25,7 +25,7 @@ GB = 1e9
 def load_profile(profile: Optional[Path]):
     """(sharing config, engine config, models, where, daemon config or None) from FILE or the daemon's config."""
     # only for `gpuserv plan`: the daemon's and sharing config pull the GPU backends
-    from gpuservd.daemon_config import daemon_config_from_dict, load_daemon_config
+    from gpuservd.serving.daemon_config import daemon_config_from_dict, load_daemon_config
     from gpuservd.sharing.config import sharing_from_dict
 
     if profile is not None:
@@ -58,7 +58,7 @@ def resolve_hardware(name: Optional[str], sharing, engine, cfg):
     if not engine.device.startswith("cuda"):
         raise UserError(f"the configured device is the CPU, which has no SMs to partition; pass --hardware NAME "
                         f"(known: {known})")
-    from gpuservd.daemon import device_info  # imports torch: only for hardware: auto on a CUDA config
+    from gpuservd.daemon.run import device_info  # imports torch: only for hardware: auto on a CUDA config
 
     hw = hardware_from_device(device_info(cfg), profiles_dir)
     if hw is None:

@@ -1,4 +1,4 @@
-"""`gpuserv systemd install [--user]`: write the unit files (gpuservd.systemd_units renders them)."""
+"""`gpuserv systemd install [--user]`: write the unit files (gpuservd.daemon.systemd_units renders them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from gpuservd import systemd_units
+from gpuservd.daemon import systemd_units
 from gpuservd.errors import UserError
 
 app = typer.Typer(help="systemd unit files.", no_args_is_help=True, add_completion=False)

@@ -19,7 +19,7 @@ its SM percentage and memory limit (`worker_env`), the only way MPS confines
 anything. A model in a worker process is not registered with the arbiter (its
 time slices and throttle pace engine threads of this process); status says so
 per model (`arbiter.not_time_sliced`). Its memory quota still caps its KV pool:
-the cap is sent to the worker (engine_calls.set_kv_limit).
+the cap is sent to the worker (engine.calls.set_kv_limit).
 
 Groups: with an enforcing backend each SM group is a partition of its own and
 the models in it take turns; without one nothing keeps partitions apart, so
@@ -41,7 +41,7 @@ import dataclasses
 import logging
 from functools import partial
 
-from gpuservd.engine_calls import set_kv_limit
+from gpuservd.engine.calls import set_kv_limit
 from gpuservd.errors import UserError
 from gpuservd.gpu.backends import MpsBackend, choose_backend
 from gpuservd.gpu.readings import DeviceReader, cuda_index

@@ -26,7 +26,7 @@ later step); `self.device` maps every resident model to its entry whatever its d
 single-device callers need not know about placement. A variant runs where its base's
 weights are. `plan_device_load(..., device=D)` plans D's tier alone;
 `plan_options` plans every device at once for the router
-(gpuservd/routing.py `choose_device`). A load in progress reserves its bytes on
+(gpuservd/serving/routing.py `choose_device`). A load in progress reserves its bytes on
 its device (`reserve`) so two cold requests arriving together do not both pick
 the same empty device.
 """

@@ -2,7 +2,7 @@
 
 FD is this end of a socketpair with the daemon. The first message is the
 WorkerSpec; the worker builds the engine from the store and runs the very same
-step loop as an engine thread (engine_loop.EngineLoop), whose event loop is
+step loop as an engine thread (engine.loop.EngineLoop), whose event loop is
 replaced by a `Poster` that pickles each iteration's deliveries, events, hook
 calls and snapshot back to the daemon in one message.
 
@@ -29,8 +29,8 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from gpuservd.engine_calls import EngineFacts
-from gpuservd.engine_loop import IDLE_TICK_S, EngineLoop, Failed, Submission
+from gpuservd.engine.calls import EngineFacts
+from gpuservd.engine.loop import IDLE_TICK_S, EngineLoop, Failed, Submission
 from gpuservd.weights.sources import store_source
 from gpuservd.worker.build import make_engine
 

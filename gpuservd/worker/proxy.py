@@ -12,7 +12,7 @@ same `on_post(deliveries, events)` calls on the event loop an engine thread
 makes, and calls the metrics hooks with the worker's step records.
 
 What cannot cross the boundary is refused, never approximated: `call(fn)`
-needs a picklable fn (gpuservd.engine_calls), `set_arbiter` accepts only None
+needs a picklable fn (gpuservd.engine.calls), `set_arbiter` accepts only None
 (the arbiter paces engine threads of this process).
 
 A worker that exits unasked (killed, crashed) fails its in-flight requests
@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuservd.engine_loop import EngineGone, Failed, LoopSnapshot, Submission
+from gpuservd.engine.loop import EngineGone, Failed, LoopSnapshot, Submission
 from gpuservd.errors import UserError
 from gpuservd.events.types import StepRecord
 
@@ -78,7 +78,7 @@ def _ends(item) -> bool:
 
 
 class WorkerLoop:
-    """One model's engine in a worker process (an engine_loop.AnyEngineLoop)."""
+    """One model's engine in a worker process (an engine.loop.AnyEngineLoop)."""
 
     isolation = "process"
     engine = None  # the engine lives in the worker; ask it through call()
@@ -173,14 +173,14 @@ class WorkerLoop:
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) in the worker between steps; fn must pickle (a module-level function, or a
-        functools.partial of one: see gpuservd.engine_calls)."""
+        functools.partial of one: see gpuservd.engine.calls)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
             pickle.dumps(fn)
         except Exception as exc:
             fut.set_exception(TypeError(
                 f"model {self.model} runs in an engine worker process (engine.isolation: process) and {fn!r} "
-                f"cannot be sent to it ({exc}); use a module-level function (gpuservd/engine_calls.py)"))
+                f"cannot be sent to it ({exc}); use a module-level function (gpuservd/engine/calls.py)"))
             return fut
         with self._lock:
             if self._gone:

@@ -36,10 +36,10 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
 
-from gpuservd.engine_calls import EngineFacts
+from gpuservd.engine.calls import EngineFacts
 from gpuservd.errors import UserError
 
-log = logging.getLogger("gpuservd.engine_loop")
+log = logging.getLogger("gpuservd.engine.loop")
 
 IDLE_TICK_S = 0.5  # an idle loop still wakes this often, for the heartbeat
 GATHER_GAP_S = 0.0025  # an admission window closes early after this long without a new arrival
@@ -121,7 +121,7 @@ class AnyEngineLoop(Protocol):
     running engine, wherever it runs: `EngineLoop` below (a thread of this process; the isolation bench
     drives these directly) or `worker.proxy.WorkerLoop` (an engine worker process, engine.isolation:
     process). Everything crosses as data: submissions and aborts in, deliveries and events out through
-    `on_post` on the event loop, `call(fn)` for anything else (fn must pickle: engine_calls.py)."""
+    `on_post` on the event loop, `call(fn)` for anything else (fn must pickle: engine/calls.py)."""
 
     model: str  # the model it runs
     isolation: str  # thread | process
@@ -157,7 +157,7 @@ class AnyEngineLoop(Protocol):
         """Abort what is left, end the loop and wait for it."""
 
     def facts(self) -> Any:
-        """The built engine's engine_calls.EngineFacts (after `ready`)."""
+        """The built engine's engine.calls.EngineFacts (after `ready`)."""
 
     def recent_steps(self, n: int) -> list[StepRecord]:
         """The last n step records (a replay for /admin/events?recent=n)."""

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpuservd.api.protocol import GenerationRequest
-from gpuservd.engine_loop import Accepted, AnyEngineLoop, EngineGone, Failed
+from gpuservd.engine.loop import Accepted, AnyEngineLoop, EngineGone, Failed
 from gpuservd.errors import EngineFailed, ModelUnavailable
-from gpuservd.tenants import Tenant
+from gpuservd.serving.tenants import Tenant
 
 
 @dataclass

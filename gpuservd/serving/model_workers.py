@@ -17,17 +17,17 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuservd.engine_calls import EngineFacts, set_kv_limit
+from gpuservd.engine.calls import EngineFacts, set_kv_limit
 from gpuservd.events.types import EngineWorkerExit
-from gpuservd.request_stream import ModelSlot
+from gpuservd.serving.request_stream import ModelSlot
 from gpuservd.runner.model_config import load_arch
 from gpuservd.worker.build import WorkerSpec
 from gpuservd.worker.proxy import WorkerLoop
 
 if TYPE_CHECKING:  # the manager imports this module; only its type is needed here
-    from gpuservd.models import Models
+    from gpuservd.serving.models import Models
 
-log = logging.getLogger("gpuservd.models")
+log = logging.getLogger("gpuservd.serving.models")
 
 
 def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_layer) -> WorkerLoop:

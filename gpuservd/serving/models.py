@@ -30,15 +30,15 @@ from typing import Awaitable, Callable
 
 from gpuservd.api.status import ModelStatus
 from gpuservd.config import torch_device
-from gpuservd.daemon_config import DaemonConfig
+from gpuservd.serving.daemon_config import DaemonConfig
 from gpuservd.engine.tokenizer import load_tokenizer
-from gpuservd.engine_calls import EngineFacts, request_views, reset_prefix_cache, set_tenant_quotas
-from gpuservd.engine_loop import AnyEngineLoop, EngineLoop
+from gpuservd.engine.calls import EngineFacts, request_views, reset_prefix_cache, set_tenant_quotas
+from gpuservd.engine.loop import AnyEngineLoop, EngineLoop
 from gpuservd.errors import ModelNotServed, ModelPinned, ModelUnavailable, UserError, InvalidRequest
 from gpuservd.events import EventBus
 from gpuservd.events.types import CacheHitRateLow, ModelEvict, ModelLoad, ModelPin, ModelUnload, Prefetch
-from gpuservd.request_stream import ModelSlot
-from gpuservd.routing import VersionRouter, pick_plan
+from gpuservd.serving.request_stream import ModelSlot
+from gpuservd.serving.routing import VersionRouter, pick_plan
 from gpuservd.runner.model_config import load_arch
 from gpuservd.sharing.manager import SharingManager
 from gpuservd.store.store import ModelStore
@@ -46,9 +46,9 @@ from gpuservd.weights.cache import WeightCache
 from gpuservd.weights.prefetch import HitRateWatch, PrefetchStats, Predictor
 from gpuservd.weights.sources import WeightSources
 from gpuservd.worker.build import make_engine
-from gpuservd.model_workers import worker_exited, worker_loop, worker_ready
+from gpuservd.serving.model_workers import worker_exited, worker_loop, worker_ready
 
-log = logging.getLogger("gpuservd.models")
+log = logging.getLogger("gpuservd.serving.models")
 LOAD_RETRY_S = 10.0  # a model whose load failed is tried again on demand after this long
 HIT_WINDOW = 50  # requests the hit-rate alert looks back over
 

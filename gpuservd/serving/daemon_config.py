@@ -16,7 +16,7 @@ from pathlib import Path
 from gpuservd.config import EngineConfig, _fill, config_from_dict, read_yaml_file
 from gpuservd.errors import UserError
 from gpuservd.paths import daemon_socket_path
-from gpuservd.routing import check_weights
+from gpuservd.serving.routing import check_weights
 from gpuservd.sharing.config import SharingConfig, sharing_from_dict
 from gpuservd.weights.config import CacheConfig, apply_model_profile
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpuservd.api.client import Client, DaemonError, DaemonUnavailable
-from gpuservd.daemon_config import load_daemon_config
+from gpuservd.serving.daemon_config import load_daemon_config
 from gpuservd.errors import UserError
 from gpuservd.paths import client_socket_path, models_root
 

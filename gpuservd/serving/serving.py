@@ -1,7 +1,7 @@
 """What the HTTP layer serves: admission control, request streams, drain (over the hosted models).
 
 Runs on the event loop; the models themselves (slots, loads, eviction, device
-routing, workers) are `gpuservd/models.py`'s. Admission (tenants' priorities and quotas, versions) is
+routing, workers) are `gpuservd/serving/models.py`'s. Admission (tenants' priorities and quotas, versions) is
 decided here before a request reaches an engine: draining, an unknown model, a
 model not ready, a full per-model or per-tenant queue. Each refusal is a domain
 error (gpuservd/errors.py) that the API layer turns into its HTTP response. A
@@ -20,18 +20,18 @@ from dataclasses import asdict
 from gpuservd import __version__
 from gpuservd.api.protocol import GenerationRequest
 from gpuservd.api.status import DaemonStatus, ModelStatus
-from gpuservd.daemon_config import DaemonConfig
+from gpuservd.serving.daemon_config import DaemonConfig
 from gpuservd.engine.request import GuidedSpec, SamplingParams
 from gpuservd.engine.tokenizer import encode_chat, encode_raw
-from gpuservd.engine_loop import Accepted, EngineGone, Failed, Submission
+from gpuservd.engine.loop import Accepted, EngineGone, Failed, Submission
 from gpuservd.errors import (Draining, EngineFailed, InvalidRequest, ModelNotServed, ModelUnavailable,
                              PromptTooLong, QueueFull, ServingError, UserError)
 from gpuservd.events import EventBus
 from gpuservd.events.types import Drain, RequestFinished, RequestPrompt
 from gpuservd.hints.monitor import HintMonitor
-from gpuservd.models import Models
-from gpuservd.request_stream import ActiveRequest, ModelSlot, RequestContext, engine_gone
-from gpuservd.tenants import TenantMap
+from gpuservd.serving.models import Models
+from gpuservd.serving.request_stream import ActiveRequest, ModelSlot, RequestContext, engine_gone
+from gpuservd.serving.tenants import TenantMap
 
 log = logging.getLogger("gpuservd.serving")
 access_log = logging.getLogger("gpuservd.access")

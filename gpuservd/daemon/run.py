@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 
 from gpuservd.api.client import Client
-from gpuservd.daemon_config import HOT_FIELDS, DaemonConfig, load_daemon_config, parse_tcp
+from gpuservd.serving.daemon_config import HOT_FIELDS, DaemonConfig, load_daemon_config, parse_tcp
 from gpuservd.errors import UserError
 from gpuservd.events import EventBus
 from gpuservd.events.types import Reload
-from gpuservd.routing import VersionRouter
-from gpuservd.sdnotify import Notifier, listen_fds, watchdog_interval_s
-from gpuservd.tenants import TenantMap
+from gpuservd.serving.routing import VersionRouter
+from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
+from gpuservd.serving.tenants import TenantMap
 
 log = logging.getLogger("gpuservd")
 
@@ -189,7 +189,7 @@ class Daemon:
         # checked: a bad config is a one-line error at once, and `gpuserv plan` imports this module cheaply.
         from gpuservd.api.metrics import Metrics
         from gpuservd.api.server import build_app, make_server
-        from gpuservd.serving import Serving
+        from gpuservd.serving.serving import Serving
 
         s = self.cfg.server
         tenants = TenantMap.load(s.tenants_path())
