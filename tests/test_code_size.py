@@ -16,7 +16,6 @@ _spec.loader.exec_module(check_sizes)
 KNOWN = {
     ("gpuservd/api/admin_routes.py", "routes"),
     ("gpuservd/engine/engine.py", "file"),
-    ("gpuservd/events/types.py", "file"),
 }
 
 

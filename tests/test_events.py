@@ -57,6 +57,13 @@ def test_every_event_type_round_trips_through_its_json(cls):
     assert dict(event) == data  # the mapping view is the JSON form
 
 
+def test_every_field_has_a_default():
+    """So that an event missing keys (an older daemon's) still reads."""
+    for cls in list(ev._TYPES.values()) + [ev.Victim, ev.SwapMove]:
+        for f in dataclasses.fields(cls):
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, (cls, f.name)
+
+
 def test_every_field_is_commented_in_its_class():
     """A reader of types.py learns each field's meaning where it is declared."""
     src = Path(ev.__file__).read_text().splitlines()

@@ -6,9 +6,8 @@ JSON object per line, and readers (the console, `gpuserv record`, `gpuserv
 events`, the hint rules) turn a line back into its class with `read_event`.
 
 JSON shape, schema 2 (the `hello` line says `"schema": 2`): `{"type": ..., "t":
-..., <the fields below, in order>}`. A field marked optional is left out while
-it is None; a key this reader does not know is kept in `extra` and written
-back unchanged, so a newer daemon's fields pass through an older reader.
+..., <the fields below, in order>}`; shape.py says how (optional fields, keys a
+reader does not know passed through in `extra`).
 
 Schema 1 (a `hello` without `schema`; the console's replay fixtures) named a
 preemption victim's move and a KV copy's direction only by `"kind"`
@@ -22,75 +21,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from gpuservd.events.shape import JsonShape, optional, parse_list, upgrade
 
 SCHEMA_VERSION = 2
 
 _TYPES: dict[str, type["Event"]] = {}  # event type -> its class
 
 
-def optional(default: Any = None, **meta) -> Any:
-    """A field left out of the JSON while it is None (it exists only for some phases or daemons)."""
-    return field(default=default, metadata={"optional": True, **meta})
-
-
-def _to_plain(value: Any) -> Any:
-    if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, list):
-        return [_to_plain(v) for v in value]
-    return value
-
-
-class _Shape:
-    """JSON to and from a dataclass: declared fields by name (or their `json` key), the rest in `extra`."""
-
-    _compat: ClassVar[tuple[str, ...]] = ()  # keys written for schema-1 readers and derived again on reading
-
-    def _fields_json(self) -> dict:
-        out: dict = {}
-        for f in fields(self):
-            if f.name == "extra":
-                continue
-            value = getattr(self, f.name)
-            if value is None and f.metadata.get("optional"):
-                continue
-            out[f.metadata.get("json", f.name)] = _to_plain(value)
-        return out
-
-    @classmethod
-    def _from_fields(cls, data: dict):
-        kwargs: dict = {}
-        known = set(cls._compat) | {"type"}
-        for f in fields(cls):
-            if f.name == "extra":
-                continue
-            key = f.metadata.get("json", f.name)
-            known.add(key)
-            if key in data:
-                value = data[key]
-                parse = f.metadata.get("parse")
-                kwargs[f.name] = parse(value) if parse is not None and value is not None else value
-        extra = {k: v for k, v in data.items() if k not in known}
-        if any(f.name == "extra" for f in fields(cls)):
-            kwargs["extra"] = extra
-        return cls(**kwargs)
-
-
-def _parse_list(item_cls):
-    return lambda values: [item_cls.from_json(v) if isinstance(v, dict) else v for v in values]
-
-
-def _upgrade(item_cls):
-    """Parts a step record keeps in their JSON form: read (either schema) and written back as schema 2."""
-    return lambda values: [item_cls.from_json(v).to_json() if isinstance(v, dict) else v.to_json() for v in values]
-
-
 # ---- parts of events ------------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class Victim(_Shape):
+class Victim(JsonShape):
     """One request preempted in a step, and how its KV left the device."""
 
     _compat: ClassVar[tuple[str, ...]] = ("kind",)
@@ -116,7 +60,7 @@ class Victim(_Shape):
 
 
 @dataclass(kw_only=True)
-class SwapMove(_Shape):
+class SwapMove(JsonShape):
     """One KV copy between the device and the host pool, executed before a step's forward."""
 
     _compat: ClassVar[tuple[str, ...]] = ("kind",)
@@ -143,7 +87,7 @@ class SwapMove(_Shape):
 # ---- events ---------------------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class Event(_Shape, Mapping):
+class Event(JsonShape, Mapping):
     """What every event has: its type (the class's) and when it happened.
 
     An event also reads as a read-only mapping of its JSON form (`event["model"]`), so that a
@@ -259,8 +203,8 @@ class StepRecord(Event):
     preempted_ids: list[str] = field(default_factory=list)  # which requests were preempted this step
     swap_s: float = 0.0  # KV copies (swap out / in, parking) before the forward
     # per victim, in Victim's JSON form (the engine's tests and /metrics read these keys directly)
-    preemptions: list[dict] = field(default_factory=list, metadata={"parse": _upgrade(Victim)})
-    swaps: list[dict] = field(default_factory=list, metadata={"parse": _upgrade(SwapMove)})  # per copy, SwapMove's JSON
+    preemptions: list[dict] = field(default_factory=list, metadata={"parse": upgrade(Victim)})
+    swaps: list[dict] = field(default_factory=list, metadata={"parse": upgrade(SwapMove)})  # per copy, SwapMove's JSON
     events: list[Event] = field(default_factory=list, metadata={"parse": _parse_engine_events})  # ENGINE_EVENTS
     preemption_on: bool = False  # displacement and the planner active at this step
     kv_host_blocks_used: int = 0  # the host swap pool
@@ -288,7 +232,7 @@ class Preemption(Event):
     num_preempted: int = 0  # requests preempted in the step
     request_ids: list[str] = field(default_factory=list)  # the requests in it
     # each preempted request, with its move and cost
-    victims: list[Victim] = field(default_factory=list, metadata={"parse": _parse_list(Victim)})
+    victims: list[Victim] = field(default_factory=list, metadata={"parse": parse_list(Victim)})
 
 
 @dataclass(kw_only=True)
@@ -554,13 +498,3 @@ def read_event(data: dict) -> Event:
         return OtherEvent(name=str(data.get("type")), t=data.get("t", 0.0),
                           extra={k: v for k, v in data.items() if k not in ("type", "t")})
     return cls.from_json(data)
-
-
-def _check_defaults() -> None:
-    """Every field has a default, so that an event missing keys (an older daemon) still reads."""
-    for cls in list(_TYPES.values()) + [Victim, SwapMove]:
-        for f in fields(cls):
-            assert f.default is not MISSING or f.default_factory is not MISSING, (cls, f.name)
-
-
-_check_defaults()
