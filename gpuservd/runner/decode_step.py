@@ -63,9 +63,10 @@ class DecodeInputs:
         self._lens_words = -(-m // 2)  # m int32 lengths in whole int64 words
         self._head = (3 + MAX_STOP_IDS) * m  # int64 words before the int32 region
         words = self._head + self._lens_words + -(-(m * max_blocks) // 2)
-        self.device_buf = torch.zeros(words, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self.staging = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
+        # On the CPU the staging buffer is the buffer the forward reads: nothing to copy.
+        self.device_buf = torch.zeros(words, dtype=torch.int64, device=device) if pin else self.staging
         self.token_ids, self.positions, self.slots = self._id_views(self.device_buf)
         self.stop_ids = self.device_buf[3 * m: self._head].view(m, MAX_STOP_IDS)  # -1 = none
         self.ctx_lens, self.block_tables = self._int32_views(self.device_buf)
@@ -95,28 +96,35 @@ class DecodeInputs:
         n = len(chunks)
         if not 0 < n <= bucket <= self.max_batch:
             raise ValueError(f"{n} rows do not fit bucket {bucket} (largest {self.max_batch})")
-        ids, pos, slots, lens, tables = self._h_ids, self._h_pos, self._h_slots, self._h_lens, self._h_tables
-        stop = self._h_stop
+        bs = block_size
+        p = [c.start_pos for c in chunks]
+        tables, stop = self._h_tables, self._h_stop
         stop[:bucket] = -1
         self.unchecked = []
+        slot_list = []
+        # Scalars per row go in as whole arrays; only the block tables and stop ids are written row by row.
         for i, c in enumerate(chunks):
-            p = c.start_pos
-            need = p // block_size + 1
+            need = p[i] // bs + 1
             if len(c.token_ids) != 1 or len(c.block_ids) < need:
-                raise ValueError(f"row {i} is not a decode chunk with blocks covering position {p}")
+                raise ValueError(f"row {i} is not a decode chunk with blocks covering position {p[i]}")
             if need > self.max_blocks:
                 raise ValueError(f"row {i} needs {need} blocks, the table holds {self.max_blocks}")
-            ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
-            slots[i] = c.block_ids[p // block_size] * block_size + p % block_size
-            tables[i, :need] = c.block_ids[:need]
+            blocks = c.block_ids
+            slot_list.append(blocks[need - 1] * bs + p[i] % bs)
+            tables[i, :need] = blocks[:need]
             if len(c.stop_ids) <= MAX_STOP_IDS:
                 stop[i, : len(c.stop_ids)] = c.stop_ids
             else:
                 self.unchecked.append(i)
-        ids[n:bucket], pos[n:bucket], slots[n:bucket], lens[n:bucket] = 0, 0, -1, 0
+        self._h_ids[:n] = [c.token_ids[0] for c in chunks]
+        self._h_pos[:n] = p
+        self._h_lens[:n] = self._h_pos[:n] + 1
+        self._h_slots[:n] = slot_list
+        self._h_ids[n:bucket], self._h_pos[n:bucket], self._h_slots[n:bucket], self._h_lens[n:bucket] = 0, 0, -1, 0
         # Everything before the tables, and the first `bucket` table rows, are one prefix of the buffer.
-        words = self._head + self._lens_words + -(-(bucket * self.max_blocks) // 2)
-        self.device_buf[:words].copy_(self.staging[:words], non_blocking=True)
+        if self.device_buf is not self.staging:
+            words = self._head + self._lens_words + -(-(bucket * self.max_blocks) // 2)
+            self.device_buf[:words].copy_(self.staging[:words], non_blocking=True)
 
     def batch(self, bucket: int) -> ForwardBatch:
         """The ForwardBatch of a bucket: fixed views of the device buffer (the same tensors every step)."""
