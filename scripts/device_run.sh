@@ -106,8 +106,13 @@ triton.__version__, torch.cuda.get_device_name(0))"; } 2>&1 | tee "$D/versions.t
       # Four workers (pytest-xdist is in the image; files stay whole on one worker) so the suite fits
       # the call; where xdist is missing it runs serially.
       XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4 --dist loadfile"
+      # The kernels' and the CUDA tests first, then the rest (a file named beside its folder would
+      # make pytest collect that file alone).
+      GPU_TESTS="tests/test_triton_kernels.py tests/test_cuda.py"
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $GPU_TESTS \
+        2>&1 | tee "$D/pytest-gpu.log" | tail -8
       timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $XD tests \
-        2>&1 | tee "$D/pytest.log" | tail -25 ;;
+        --ignore=tests/test_triton_kernels.py --ignore=tests/test_cuda.py 2>&1 | tee "$D/pytest.log" | tail -25 ;;
     *) echo "unknown part $part" ;;
   esac
   pack  # after each part: a call cut off at its limit still brings back what finished
