@@ -14,11 +14,12 @@
 #             doctor and /metrics, then Ctrl-C (DEVICE=cpu tries the part here)
 #   check  scripts/gpu_check.py (issue 8: readings, green contexts, MPS, the isolation bench), with
 #          what is left of BUDGET_S (default 520 s for the whole call)
-#   fast   issue 19 in one call of at most 7 minutes (`fast -- 420`): versions; the decode fast-path
-#          bench (python3 -m gpuservd.bench.fast_decode: step times eager / fixed-shape / graph / static
-#          ceiling / read floor for SmolLM2's and a ~1B shape, greedy graph == eager, 256 random-length
-#          requests eager and with graphs); then the full test suite (each Triton kernel against torch
-#          on the GPU is tests/test_triton_kernels.py) with the time left. bench/results/<date>-h200-fast/
+#   fast   issue 19 in one call of at most 7 minutes (`fast -- 420`): versions; each Triton kernel
+#          against torch and the CUDA engine tests (graphs included); the decode fast-path bench
+#          (python3 -m gpuservd.bench.fast_decode: step times eager / fixed-shape / graph / static
+#          ceiling / read floor for SmolLM2's and a ~1B shape, a mixed step both ways, greedy graph ==
+#          eager, 256 random-length requests eager and with graphs); then the rest of the test suite
+#          with the time left. Everything in bench/results/<date>-h200-fast/
 #
 # The machine has no network: the Python packages its image lacks (starlette, uvicorn, gguf, textual,
 # and for the full test suite openai, import-linter, pytest-textual-snapshot and theirs) travel as
@@ -99,18 +100,18 @@ from gpuservd.store.store import ModelStore; e(ModelStore(), 'isolation-small', 
       { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
         python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, \
 triton.__version__, torch.cuda.get_device_name(0))"; } 2>&1 | tee "$D/versions.txt"
-      B=$(( $(left) - 200 ))  # the suite gets at least ~190 s after the bench
+      # 1. Correctness on the GPU: each Triton kernel against torch, the engine's CUDA paths and graphs.
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE tests/test_triton_kernels.py \
+        tests/test_cuda.py 2>&1 | tee "$D/pytest-gpu.log" | tail -8
+      pack
+      # 2. The numbers (leaves the suite at least ~120 s).
+      B=$(( $(left) - 120 ))
       timeout $(( B > 60 ? B : 60 )) python3 -m gpuservd.bench.fast_decode --out "$D" --budget-s $(( B > 90 ? B - 40 : 50 )) \
         2>&1 | tee "$D/bench.log" | tail -25
       pack
-      # Four workers (pytest-xdist is in the image; files stay whole on one worker) so the suite fits
-      # the call; where xdist is missing it runs serially.
-      XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4 --dist loadfile"
-      # The kernels' and the CUDA tests first, then the rest (a file named beside its folder would
-      # make pytest collect that file alone).
-      GPU_TESTS="tests/test_triton_kernels.py tests/test_cuda.py"
-      timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $GPU_TESTS \
-        2>&1 | tee "$D/pytest-gpu.log" | tail -8
+      # 3. The rest of the suite, on 8 workers where pytest-xdist is there (it is in the image; files stay
+      # whole on one worker), so it fits the call.
+      XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 8 --dist loadfile"
       timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $XD tests \
         --ignore=tests/test_triton_kernels.py --ignore=tests/test_cuda.py 2>&1 | tee "$D/pytest.log" | tail -25 ;;
     *) echo "unknown part $part" ;;
