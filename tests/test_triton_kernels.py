@@ -77,6 +77,7 @@ DECODE_CASES = [
     (F32, 16, 128, 1, 5, [48, 9], 1),
     (F16, 16, 64, 2, 2, [3, 0, 29, 1], 8),  # more partitions than blocks: empty partitions merge
     (BF16, 4, 64, 2, 2, [1, 6, 13], None),  # blocks under tl.dot's 16-row tile
+    (F32, 4, 64, 2, 1, [5, 0, 9], None),  # the same, no GQA (a padded two-row tile)
     (F32, 32, 64, 2, 4, [0], None),  # padding rows alone
 ]
 

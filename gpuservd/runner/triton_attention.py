@@ -180,7 +180,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         num_heads,
-        GROUP=group, GROUP_PAD=max(MIN_TILE_ROWS if use_dot else 1, triton.next_power_of_2(group)),
+        GROUP=group, GROUP_PAD=max(MIN_TILE_ROWS if use_dot else 2, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, NUM_PARTS=num_parts,
         IEEE=q.dtype == torch.float32 or not q.is_cuda, USE_DOT=use_dot,
     )
