@@ -132,7 +132,7 @@ def test_crash_mid_import_leaves_no_model(store, tiny_src, monkeypatch):
         shutil.copyfile(src, dst)
 
     monkeypatch.setattr(store_mod, "_copy_file", copy_then_crash)
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(UserError, match="disk on fire.*nothing was published"):
         store.import_dir(tiny_src[0], "tiny")
     assert not (store.root / "tiny").exists()
     assert [p.name for p in store.root.iterdir()] == ["keep"]  # temp dir removed too

@@ -148,6 +148,9 @@ def routes(serving: Serving, controller) -> list[Route]:
         q = request.query_params
         sse = q.get("format") == "sse" or "text/event-stream" in request.headers.get("accept", "")
         types = {t for t in q.get("types", "").split(",") if t} or None
+        if types and "request_prompt" in types and not serving.config.server.log_prompts:
+            raise APIError(403, "prompt text is not published: server.log_prompts is false in the daemon's config",
+                           "permission_error", "types", "prompts_disabled")
         try:
             recent = int(q.get("recent", "0"))
         except ValueError:

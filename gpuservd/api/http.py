@@ -15,8 +15,8 @@ import hmac
 import logging
 import uuid
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from gpuservd.api import protocol
 from gpuservd.api.errors import to_api_error
@@ -46,14 +46,26 @@ def peer(request: Request) -> tuple[str, int | None, int | None]:
 
 def _check_auth(request: Request) -> None:
     token = request.app.state.tcp_token
+    admin_token = getattr(request.app.state, "admin_token", None)
     via, _, _ = peer(request)
     if via != "tcp" or token is None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    given = given.strip().encode()
+    ok = any(t is not None and hmac.compare_digest(given, t.encode()) for t in (token, admin_token))
+    if scheme.lower() != "bearer" or not ok:
         raise APIError(401, "missing or wrong bearer token (TCP clients must send Authorization: Bearer <token>)",
                        "invalid_request_error", None, "invalid_api_key")
+
+
+class BodyTooLarge(Exception):
+    """Raised from receive() (api/limits.py) when a body passes server.max_body_bytes mid-stream."""
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (server.max_body_bytes)",
+                    "invalid_request_error", None, "request_too_large", {"Connection": "close"})
 
 
 def endpoint(prefix: str = "req", public: bool = False):
@@ -73,6 +85,12 @@ def endpoint(prefix: str = "req", public: bool = False):
                 return error_response(exc, request_id, metrics)
             except ServingError as exc:
                 return error_response(to_api_error(exc), request_id, metrics)
+            except BodyTooLarge as exc:
+                return error_response(too_large(exc.args[0]), request_id, metrics)
+            except ClientDisconnect:  # gone before its body arrived (or cut off by the body deadline)
+                log.info("%s %s: the client went away before sending its whole body (request %s)",
+                         request.method, request.url.path, request_id)
+                return Response(status_code=400, headers={"Connection": "close"})
             except Exception:
                 log.exception("internal error serving %s %s (request %s)", request.method, request.url.path,
                               request_id)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuservd.api import fields, structured
+from gpuservd.api import fields, json_body, structured
 from gpuservd.api.apierror import (APIError, bad_request, internal_error, model_not_found,  # noqa: F401
                                  rate_limited, unavailable)
 
@@ -32,6 +34,18 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat `top_logprobs`
 MAX_N = 16  # the default of server.max_n (choices per request); the daemon passes its own
+# The sampler's limits, checked here so that no value a client sends can make an engine step go wrong for
+# the whole batch. Seeds are 64-bit, signed or unsigned. logits / temperature must stay finite in fp32:
+# below MIN_TEMPERATURE a logit of ~40 already overflows and the softmax is NaN, so a smaller positive
+# temperature is raised to it (vLLM does the same; the distribution is then one-hot on the argmax).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+MIN_TEMPERATURE = 1e-2
+MAX_TOP_K = 2 ** 31 - 1  # a top_k at least the vocabulary size is "off"; beyond int32 it is nonsense
+PRIORITY_MIN, PRIORITY_MAX = -(2 ** 31), 2 ** 31 - 1
+# Model names are looked up in the store and routed; they never need more than this. Checked before
+# anything (metrics, predictors, logs) sees the name.
+MAX_MODEL_NAME_LEN = 128
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 
 
 @dataclass
@@ -135,7 +149,7 @@ def _int(body: dict, key: str, lo: int | None = None, default=None, hi: int | No
     if lo is not None and v < lo:
         raise bad_request(f"{key} must be >= {lo}, got {v}", key)
     if hi is not None and v > hi:
-        raise bad_request(f"{key} must be <= {hi}, got {v}", key)
+        raise bad_request(f"{key} must be <= {hi}, got {str(v)[:40]}", key)
     return v
 
 
@@ -145,6 +159,8 @@ def _num(body: dict, key: str, lo: float, hi: float, default: float, lo_open: bo
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad_request(f"{key} must be a number, got {_type_name(v)} {json.dumps(v)[:40]}", key, "invalid_type")
+    if not math.isfinite(v):
+        raise bad_request(f"{key} must be a finite number, got {v}", key)
     if (v <= lo if lo_open else v < lo) or v > hi:
         interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise bad_request(f"{key} must be in {interval}, got {v}", key)
@@ -239,25 +255,23 @@ def _common(body: Any, allowed: set[str], kind: str, max_n: int) -> GenerationRe
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}", None, "invalid_type")
     _check_fields(body, allowed, kind)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("model is required and must be a non-empty string (GET /v1/models lists them)", "model",
-                          "invalid_type" if "model" in body else "missing_required_parameter")
+    model = check_model_name(body.get("model"), "model" in body)
     stream = _bool(body, "stream")
-    top_k = _int(body, "top_k", -1, 0)
+    top_k = _int(body, "top_k", -1, 0, MAX_TOP_K)
+    temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
     req = GenerationRequest(
         kind=kind,
         model=model,
-        temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
+        temperature=max(temperature, MIN_TEMPERATURE) if temperature > 0 else 0.0,
         top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
         min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
-        seed=_int(body, "seed"),
+        seed=_int(body, "seed", SEED_MIN, None, SEED_MAX),
         stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         stream=stream,
         include_usage=_stream_options(body, stream),
-        priority=_int(body, "priority"),
+        priority=_int(body, "priority", PRIORITY_MIN, None, PRIORITY_MAX),
         ignore_eos=_bool(body, "ignore_eos"),
         return_token_ids=_bool(body, "return_token_ids"),
         detokenize=_bool(body, "detokenize", True),
@@ -405,13 +419,24 @@ def parse_chat(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     return req
 
 
+def check_model_name(model: Any, present: bool = True) -> str:
+    """A model name as sent by a client, or a 400: bounded in length and characters before anything
+    records it (a name is a dict key in several places, and a 1 MB name would be kept there)."""
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required and must be a non-empty string (GET /v1/models lists them)", "model",
+                          "invalid_type" if present else "missing_required_parameter")
+    if len(model) > MAX_MODEL_NAME_LEN or not MODEL_NAME_RE.fullmatch(model):
+        shown = json.dumps(model[:40]) + ("..." if len(model) > 40 else "")
+        raise bad_request(f"model {shown} is not a model name: at most {MAX_MODEL_NAME_LEN} characters of "
+                          "letters, digits and . _ - : / @ +, starting with a letter or digit", "model")
+    return model
+
+
 def parse_json(raw: bytes) -> Any:
-    """The body as JSON, or a 400 that says where it broke."""
+    """The body as JSON, or a 400 that says where it broke (see json_body for the limits)."""
     if not raw:
         raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise bad_request(f"the request body is not valid JSON{where}: {getattr(exc, 'msg', str(exc))}", None,
-                          "invalid_json") from None
+        return json_body.loads(raw)
+    except json_body.BodyError as exc:
+        raise bad_request(str(exc), exc.param, "invalid_json") from None

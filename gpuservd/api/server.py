@@ -24,6 +24,9 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpuservd.api import admin_routes, openai_routes
+from gpuservd.api.auth import AdminGuard
+from gpuservd.api.limits import BodyLimit
+from gpuservd.api.read_deadline import ReadDeadlines
 from gpuservd.api.http import not_found
 
 log = logging.getLogger("gpuservd.api")
@@ -41,8 +44,8 @@ def peer_credentials(sock) -> tuple[int, int, int] | None:
         return None
 
 
-class PeerCredProtocol(H11Protocol):
-    """uvicorn's h11 protocol plus the peer's credentials in scope["state"]."""
+class PeerCredProtocol(ReadDeadlines, H11Protocol):
+    """uvicorn's h11 protocol plus the peer's credentials in scope["state"], with read deadlines."""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -52,7 +55,9 @@ class PeerCredProtocol(H11Protocol):
                           "via": "unix" if unix else "tcp"}
 
 
-def build_app(serving, metrics, controller, tcp_token: str | None = None) -> Starlette:
+def build_app(serving, metrics, controller, tcp_token: str | None = None, admin_token: str | None = None) -> Starlette:
+    """tcp_token: what TCP clients must send for /v1 (None = nothing); admin_token: what a TCP client
+    must send for /admin (None = no admin over TCP). See api/auth.py for the roles."""
     app = Starlette(
         routes=openai_routes.routes(serving) + admin_routes.routes(serving, controller),
         exception_handlers={HTTPException: not_found},
@@ -60,6 +65,9 @@ def build_app(serving, metrics, controller, tcp_token: str | None = None) -> Sta
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.tcp_token = tcp_token
+    app.state.admin_token = admin_token
+    app.add_middleware(BodyLimit, state=app.state)
+    app.add_middleware(AdminGuard, state=app.state)  # added last: runs first, before any body is read
     return app
 
 
@@ -71,14 +79,21 @@ class Server(uvicorn.Server):
         yield
 
 
-def make_server(app, backlog: int = 2048) -> Server:
+def make_server(app, server_cfg) -> Server:
+    """server_cfg: daemon_config.ServerConfig (backlog, read deadlines)."""
+
+    class Protocol(PeerCredProtocol):
+        header_timeout_s = server_cfg.header_timeout_s
+        body_timeout_s = server_cfg.body_timeout_s
+
     config = uvicorn.Config(
         app,
-        http=PeerCredProtocol,
+        http=Protocol,
         lifespan="off",
         log_config=None,  # the daemon configures logging
         access_log=False,  # we log each request ourselves, with its peer uid and tenant
-        backlog=backlog,
+        backlog=server_cfg.backlog,
+        h11_max_incomplete_event_size=64 * 1024,  # a request head larger than this is a 400
         timeout_keep_alive=30,
         timeout_graceful_shutdown=5,
         ws="none",

@@ -139,7 +139,7 @@ def show(
 ) -> None:
     """Show one model's metadata and whether its files are sound."""
     store = ModelStore()
-    info = store.info(name)
+    info = store.entry(name)
     try:
         store.check(name)
         status = "ok"

@@ -24,6 +24,7 @@ import os
 import platform
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from gpuservd.events import EventBus
 from gpuservd.events.types import Reload
 from gpuservd.serving.routing import VersionRouter
 from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
+from gpuservd.paths import ensure_private_dir, user_socket
 from gpuservd.serving.tenants import TenantMap
 
 log = logging.getLogger("gpuservd")
@@ -56,15 +58,35 @@ def setup_logging(level: str) -> None:
 
 
 def bind_unix(path: Path, mode: int, gid: int | None, backlog: int) -> socket.socket:
-    """A listening Unix socket at path, created with `mode` (never wider) and owned by group gid."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_socket():
+    """A listening Unix socket at path, created with `mode` (never wider) and owned by group gid.
+
+    Only a stale socket (one nobody answers on) is replaced; any other file at the path is an error and
+    is left alone, so a mistyped --socket can never delete someone's data.
+    """
+    try:
+        if path == user_socket():
+            ensure_private_dir(path.parent)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise UserError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file that is not a socket"
+            raise UserError(f"cannot listen on {path}: it exists and is {kind}; pick another --socket "
+                            "(gpuserv never replaces anything but a stale socket)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
             raise UserError(f"a daemon already answers at {path}; stop it (gpuserv drain) or pick another --socket")
         except (ConnectionRefusedError, FileNotFoundError):
             path.unlink(missing_ok=True)  # left behind by a daemon that died
+        except PermissionError:
+            raise UserError(f"cannot listen on {path}: a socket is there that you may not use; "
+                            "pick another --socket") from None
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -110,6 +132,19 @@ def device_info(cfg: DaemonConfig) -> dict:
     return {"backend": "cpu", "available": True, "name": platform.processor() or platform.machine(),
             "num_threads": cfg.engine.num_threads or torch.get_num_threads(),
             "memory_budget_bytes": cfg.engine.device_memory_bytes}
+
+
+def _read_token(field: str, path: str) -> str | None:
+    """The token in server.<field>'s file; None when the field is empty."""
+    if not path:
+        return None
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise UserError(f"server.{field}: cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise UserError(f"server.{field} {path} is empty")
+    return token
 
 
 class Daemon:
@@ -171,17 +206,9 @@ class Daemon:
 
     def _tcp_token(self) -> str | None:
         s = self.cfg.server
-        if not s.tcp_token_file:
-            if s.tcp:
-                log.warning("TCP is on without server.tcp_token_file: any local process can use %s", s.tcp)
-            return None
-        try:
-            token = Path(s.tcp_token_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise UserError(f"server.tcp_token_file: cannot read {s.tcp_token_file}: {exc.strerror}") from None
-        if not token:
-            raise UserError(f"server.tcp_token_file {s.tcp_token_file} is empty")
-        return token
+        if not s.tcp_token_file and s.tcp:
+            log.warning("TCP is on without server.tcp_token_file: any local process can use %s", s.tcp)
+        return _read_token("tcp_token_file", s.tcp_token_file)
 
     # ---- run --------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -194,6 +221,10 @@ class Daemon:
         s = self.cfg.server
         tenants = TenantMap.load(s.tenants_path())
         token = self._tcp_token()
+        admin_token = _read_token("admin_token_file", s.admin_token_file)
+        if admin_token is not None and admin_token == token:
+            raise UserError("server.admin_token_file holds the same token as server.tcp_token_file; the admin "
+                            "token must differ (every TCP client has the other one)")
         listeners = self._listeners()
         metrics = Metrics()
         self.serving = serving = Serving(self.cfg, tenants, metrics, EventBus(s.event_queue_size),
@@ -201,7 +232,7 @@ class Daemon:
         metrics.serving = serving
         serving.socket = str(self.socket_path) if self.socket_path else None
         serving.tcp = s.tcp or None
-        self.server = make_server(build_app(serving, metrics, self, token), s.backlog)
+        self.server = make_server(build_app(serving, metrics, self, token, admin_token), s)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
@@ -289,7 +320,8 @@ class Daemon:
         old = self.cfg.server
         changed = {f: getattr(new.server, f) for f in HOT_FIELDS if getattr(new.server, f) != getattr(old, f)}
         restart = sorted(f for f in ("socket", "socket_group", "socket_mode", "tcp", "tcp_token_file", "backlog",
-                                     "event_queue_size") if getattr(new.server, f) != getattr(old, f))
+                                     "event_queue_size", "admin_token_file", "header_timeout_s", "body_timeout_s")
+                         if getattr(new.server, f) != getattr(old, f))
         for f, v in changed.items():
             setattr(old, f, v)
         engine_changed = new.engine != self.cfg.engine

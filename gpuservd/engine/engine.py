@@ -1,9 +1,7 @@
 """The engine: step() = schedule -> execute -> update, for one model on one device.
 
-It does no I/O and never sleeps; the CLI, the bench and the daemon drive it by
-calling step() in a loop. Everything a step decided is in the SchedulerOutput,
-and everything it cost is one StepRecord in the telemetry ring.
-"""
+It does no I/O and never sleeps; the CLI, the bench and the daemon drive it by calling step() in a loop.
+Everything a step decided is in the SchedulerOutput, and everything it cost is one StepRecord in the telemetry ring."""
 
 from __future__ import annotations
 
@@ -20,7 +18,8 @@ from gpuservd.engine.grammar import Grammars
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
-from gpuservd.engine.sampler import SamplerOutput, TokenLogprobs, sample
+from gpuservd.engine.row_failures import RowFailures
+from gpuservd.engine.sampler import SamplerOutput, TokenLogprobs
 from gpuservd.engine.schedule_output import KVLayout, SchedulerOutput
 from gpuservd.engine.scheduler import Scheduler
 from gpuservd.engine.telemetry import StepRecord, Telemetry
@@ -94,6 +93,7 @@ class LLMEngine:
         self._yield_point = None
         self._suspended: _Suspended | None = None
         self._carried: list[RequestOutput] = []  # outputs of a suspended forward finished by an abort
+        self.rows = RowFailures()  # the sampler, failing a request alone when its row raises (rows.take())
         self.telemetry = Telemetry(config.telemetry_ring_size)
         self.requests: dict[str, Request] = {}
 
@@ -247,10 +247,9 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, move KV, forward, sample. With granularity `layer`, a forward that
-        carries prefill may stop between layers when `interrupt(priority)` says a more urgent
-        request is waiting; the next step serves the waiting request(s) without the suspended batch,
-        and the one after finishes the suspended forward from the layer where it stopped."""
+        """One step: schedule, move KV, forward, sample. With granularity `layer`, a forward carrying prefill may
+        stop between layers when `interrupt(priority)` says a more urgent request waits; the next step serves it
+        without the suspended batch, and the one after finishes the suspended forward where it stopped."""
         carried, self._carried = self._carried, []
         if self._suspended is not None and self._suspended.served:
             return carried + self._finish_suspended()
@@ -384,15 +383,16 @@ class LLMEngine:
             sampled = SamplerOutput(ids, [None] * len(ids))
         elif sampling:
             bitmask, masked = self.grammars.fill(sampling)
-            if isinstance(result, DecodeResult):
-                sampled = sample(result.logits, sampling, self.eos_token_ids, bitmask, masked, greedy_ids=result.greedy)
-            else:
-                sampled = sample(result, sampling, self.eos_token_ids, bitmask, masked)
+            logits, greedy = (result.logits, result.greedy) if isinstance(result, DecodeResult) else (result, None)
+            sampled = self.rows.sample(logits, sampling, self.eos_token_ids, bitmask, masked, greedy_ids=greedy)
         else:
             sampled = SamplerOutput([], [])
         now = time.monotonic()
-        outputs = []
+        # A row that raised alone (engine/row_failures.py) ends its request as an abort; the others go on.
+        outputs = [self.abort(r.request_id) for r, t in zip(sampling, sampled.token_ids) if t is None]
         for req, tok, lp, stop in zip(sampling, sampled.token_ids, sampled.logprobs, stops):
+            if tok is None:
+                continue
             req.output_token_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now

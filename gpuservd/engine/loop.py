@@ -191,6 +191,7 @@ class EngineLoop:
         self._inbox: list[tuple] = []
         self._stopping = False
         self._sinks: dict[str, Any] = {}  # request_id -> sink, engine thread only
+        self._row_failed: dict[str, Exception] = {}  # request_id -> why its own sampling raised (engine thread)
         self._records: list = []  # StepRecords produced during this iteration
         self.snapshot = LoopSnapshot(self.model)
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model}", daemon=True)
@@ -309,7 +310,11 @@ class EngineLoop:
                 finally:
                     if arbiter is not None:
                         arbiter.end_step(decode_only=all(not r.num_prefill_tokens for r in self._records))
+                self._row_failed.update(engine.rows.take())  # their abort outputs may come a step later
                 for out in outputs:
+                    if out.request_id in self._row_failed:  # its own row raised: it alone ends, as a 500
+                        self._request_failed(out.request_id, self._row_failed.pop(out.request_id), deliveries, events)
+                        continue
                     sink = self._sinks.get(out.request_id)
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
@@ -410,6 +415,16 @@ class EngineLoop:
             except Exception:  # the engine may be wedged; the requests are failed either way
                 pass
         self._sinks.clear()
+
+    def _request_failed(self, request_id: str, exc: Exception, deliveries: list, events: list) -> None:
+        """One request's own row raised in a step: it alone fails (HTTP 500 naming it); the batch goes on."""
+        error_id = self._log_internal(exc, request_id)
+        self.snapshot.num_engine_errors += 1
+        events.append(EngineError(model=self.model, error_id=error_id, error=f"{type(exc).__name__}: {exc}",
+                                  num_failed_requests=1, request_ids=[request_id]))
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            deliveries.append((sink, Failed(request_id, exc, True, error_id)))
 
     def _urgent_waiting(self, priority: int) -> bool:
         """Engine thread, mid-forward (layer granularity): is a request above `priority` in the inbox?

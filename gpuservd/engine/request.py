@@ -38,6 +38,11 @@ class FinishReason(str, enum.Enum):
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# What the sampler can take without a step going wrong for the whole batch: below MIN_TEMPERATURE,
+# logits / T overflows fp32 (inf, then NaN probabilities); the API raises smaller positive
+# temperatures to this floor. Seeds are 64-bit (signed or unsigned), as every client sends them.
+MIN_TEMPERATURE = 1e-2
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 
 
@@ -95,11 +100,15 @@ class SamplingParams:
         """Raise FieldError naming the first bad field."""
         _check_int("max_tokens", self.max_tokens, 1)
         _check_range("temperature", self.temperature, 0.0, 100.0)
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):  # NaN fails both
+            raise FieldError(f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 100, got "
+                             f"{self.temperature!r}", "temperature")
         _check_int("top_k", self.top_k, 0)
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_range("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise FieldError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise FieldError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise FieldError("stop must be a list of non-empty strings", "stop")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuservd.errors import StoreCorrupt, UserError
-from gpuservd.store.layout import SUPPORTED_ARCHITECTURES
+from gpuservd.store.layout import SUPPORTED_ARCHITECTURES, check_config_numbers
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -72,6 +73,7 @@ def arch_from_dict(cfg: dict, model_dir: Path | None = None, source: str = "conf
     missing = [k for k in required if k not in cfg]
     if missing:
         raise StoreCorrupt(f"{source}: missing field(s) {', '.join(missing)}")
+    check_config_numbers(cfg, source)  # before any size below reaches an allocation
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)

@@ -33,6 +33,11 @@ class ServerConfig:
     socket_mode: str = "0660"  # octal permission bits of the socket file
     tcp: str = ""  # "127.0.0.1:8400" also serves TCP; "" = off (the default)
     tcp_token_file: str = ""  # file holding the bearer token TCP clients must send ("" = no token)
+    admin_token_file: str = ""  # file holding the token for /admin over TCP ("" = no admin over TCP)
+    log_prompts: bool = True  # publish prompt text (request_prompt events) to admins who ask; false = never
+    max_body_bytes: int = 4 * 1024 * 1024  # request bodies larger than this are refused (413)
+    header_timeout_s: float = 10.0  # a connection must send its request head within this
+    body_timeout_s: float = 30.0  # ...and its body within this after the head (a slow sender is cut off)
     models: list = field(default_factory=lambda: ["smollm2"])  # loaded at start
     max_queued_per_model: int = 256  # admitted requests without a first token yet, per model; more -> 429
     max_queued_per_tenant: int = 128  # the same per tenant (tenants.yaml may set its own)
@@ -59,8 +64,16 @@ class ServerConfig:
             raise UserError(f"server.drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise UserError(f"server.log_level must be debug, info, warning or error, got {self.log_level!r}")
-        if not isinstance(self.log_requests, bool):
-            raise UserError(f"server.log_requests must be true or false, got {self.log_requests!r}")
+        for name in ("log_requests", "log_prompts"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"server.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.max_body_bytes, int) or not 1024 <= self.max_body_bytes <= 1 << 30:
+            raise UserError(f"server.max_body_bytes must be an integer in [1024, 1073741824], got "
+                            f"{self.max_body_bytes!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 3600:
+                raise UserError(f"server.{name} must be seconds in [0.1, 3600], got {v!r}")
         self.mode_bits()
         self.group_id()
         if self.tcp:
@@ -111,7 +124,8 @@ class ServerConfig:
 # Re-read on SIGHUP and applied at once; the rest needs a restart (listening sockets) or
 # applies at the next model load (the engine section).
 HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "max_n", "drain_timeout", "admission_window_ms",
-              "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions")
+              "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions", "log_prompts",
+              "max_body_bytes")
 
 
 def parse_tcp(addr: str) -> tuple[str, int]:

@@ -184,7 +184,8 @@ class Serving:
         try:
             ids = await self._prompt_ids(slot, greq)
             active.num_prompt_tokens = len(ids)
-            if self.bus.wants(RequestPrompt.type):  # `gpuserv record --with-prompts` is listening
+            # `gpuserv record --with-prompts` is listening (an admin: /admin/events is admin-only)
+            if self.config.server.log_prompts and self.bus.wants(RequestPrompt.type):
                 self._publish_prompt(slot, greq, ctx, ids)
             params = self._sampling(greq, len(ids), slot)
             priority = ctx.tenant.effective_priority(greq.priority)
@@ -288,7 +289,10 @@ class Serving:
         end = time.monotonic() + 10.0
         while any(i in self.active for i in ids) and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        return len(ids) - len(left), len(left)
+        # Counted by how each one ended, not by whom this wait aborted: a second SIGTERM (abort_all)
+        # may have aborted them all while this wait still ran.
+        aborted = sum(a.finish_reason == "abort" for a in actives)
+        return len(actives) - aborted, aborted
 
     async def drain(self, timeout: float | None = None) -> dict:
         """Stop admitting (503), let in-flight requests finish up to timeout, abort the rest (idempotent)."""

@@ -34,6 +34,7 @@ class Tenant:
     weight: float = 1.0  # share of each model's batch among tenants of equal priority
     max_running_seqs: int = 0  # its sequences in a model's running batch at most (0 = no limit)
     max_kv_blocks: int = 0  # KV blocks its requests may hold in a model's pool (0 = no limit)
+    admin: bool = False  # its users may call /admin/* (see api/auth.py); the default tenant never is
 
     def quota(self):
         return TenantQuota(self.weight, self.max_running_seqs, self.max_kv_blocks)
@@ -76,6 +77,8 @@ def _check(t: Tenant, where: str) -> None:
         raise UserError(f"{where}.max_in_flight must be >= 0 (0 = no limit), got {t.max_in_flight}")
     if not isinstance(t.weight, (int, float)) or isinstance(t.weight, bool) or t.weight <= 0:
         raise UserError(f"{where}.weight must be a number > 0, got {t.weight!r}")
+    if not isinstance(t.admin, bool):
+        raise UserError(f"{where}.admin must be true or false, got {t.admin!r}")
     for name in ("max_running_seqs", "max_kv_blocks"):
         if getattr(t, name) < 0:
             raise UserError(f"{where}.{name} must be >= 0 (0 = no limit), got {getattr(t, name)}")
@@ -111,6 +114,9 @@ class TenantMap:
         _fill(default, data.get("default") or {}, str(path), "default.")
         default.name = "default"
         _check(default, f"{path}: default")
+        if default.admin:
+            raise UserError(f"{path}: default.admin cannot be true (it would make every local user an admin); "
+                            "list the admin users in a tenant of their own")
         tenants = []
         for i, entry in enumerate(data.get("tenants") or []):
             t = Tenant(name="")

@@ -88,14 +88,20 @@ def current_umask() -> int:
     return 0o022
 
 
-def set_default_modes(root: Path) -> None:
+def set_default_modes(root: Path, narrow: dict[str, int] | None = None) -> None:
     """Give dirs 0755 and files 0644 (less the umask), as a plain mkdir/write would.
 
     Temp dirs are created 0700 and some writers (safetensors) make files 0600; a
     published model should be readable like any other file its owner writes.
+    narrow: top-level file name -> bits it may have at most (the owner keeps read/write).
     """
     mask = current_umask()
+    narrow = narrow or {}
     for dirpath, _dirnames, filenames in os.walk(root):
         os.chmod(dirpath, 0o755 & ~mask)
+        top = Path(dirpath) == Path(root)
         for filename in filenames:
-            os.chmod(Path(dirpath) / filename, 0o644 & ~mask)
+            bits = 0o644 & ~mask
+            if top and filename in narrow:
+                bits &= narrow[filename] | 0o600
+            os.chmod(Path(dirpath) / filename, bits)

@@ -39,8 +39,26 @@ SAFETENSORS_DTYPES = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
 
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
 # A header bigger than this is a damaged file, not a real model (real ones are < 1 MB).
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# Bounds on the config.json numbers that size allocations, checked before anything is allocated: a
+# config saying `num_hidden_layers: 1e8` would otherwise build (and keep) gigabytes of empty layers
+# before the weights are found missing. Each bound is far beyond any published model
+# (Llama 3.1 405B: 126 layers, hidden 16384, intermediate 53248, vocab 128256).
+CONFIG_BOUNDS = {
+    "num_hidden_layers": (1, 1024),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 4096),
+    "vocab_size": (1, 1 << 22),
+    "max_position_embeddings": (0, 1 << 24),
+}
 
 
 @dataclass
@@ -69,7 +87,26 @@ def read_config(model_dir: Path) -> dict:
     archs = config["architectures"]
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
         raise StoreCorrupt(f"{path}: 'architectures' must be a non-empty list of names")
+    check_config_numbers(config, path)
     return config
+
+
+def check_config_numbers(config: dict, where) -> None:
+    """StoreCorrupt unless every sizing field present is an integer within CONFIG_BOUNDS (null = absent)."""
+    for key, (lo, hi) in CONFIG_BOUNDS.items():
+        v = config.get(key)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53:
+            v = int(v)  # 1e3 is written by some tools for 1000
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise StoreCorrupt(f"{where}: {key} must be an integer, got {str(v)[:40]!r}")
+        if not lo <= v <= hi:
+            raise StoreCorrupt(f"{where}: {key} = {v} is out of bounds [{lo}, {hi}]; the file is damaged "
+                               "or not a model this server can run")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and (int(kv) > int(heads) or int(heads) % int(kv)):
+        raise StoreCorrupt(f"{where}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
 
 
 def architecture_of(config: dict) -> str:
@@ -105,16 +142,40 @@ def read_safetensors_header(path: Path) -> dict:
         raise StoreCorrupt(f"{path}: unreadable ({exc})") from None
     try:
         header = json.loads(raw)
-        tensors = [t for k, t in header.items() if k != "__metadata__"]
-        # A killed copy leaves a valid header over a short body: catch it here, cheaply.
-        data_end = max((int(t["data_offsets"][1]) for t in tensors), default=0)
-        if not all(isinstance(t["dtype"], str) and isinstance(t["shape"], list) for t in tensors):
+        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
+        if not all(isinstance(t["dtype"], str) and isinstance(t["shape"], list) for t in tensors.values()):
             raise TypeError("bad tensor entry")
     except (UnicodeDecodeError, ValueError, AttributeError, KeyError, IndexError, TypeError):
         raise StoreCorrupt(f"{path}: safetensors header is malformed") from None
-    if 8 + size + data_end > file_size:
-        raise StoreCorrupt(f"{path}: truncated ({file_size} bytes, header needs {8 + size + data_end})")
+    data_size = file_size - 8 - size
+    for name, t in tensors.items():  # a killed copy leaves a valid header over a short body: caught here
+        _check_tensor_entry(path, name, t, data_size)
     return header
+
+
+def _check_tensor_entry(path: Path, name: str, t: dict, data_size: int) -> None:
+    """A tensor's [begin, end) must be integers, in order, and span exactly its shape's bytes; the
+    loader slices the file by these numbers, so each must lie inside the file's data section."""
+    offsets, shape = t.get("data_offsets"), t["shape"]
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise StoreCorrupt(f"{path}: tensor {name!r}: data_offsets must be two integers, got {str(offsets)[:60]}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise StoreCorrupt(f"{path}: tensor {name!r}: shape must be non-negative integers, got {str(shape)[:60]}")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise StoreCorrupt(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] are negative or reversed")
+    itemsize = DTYPE_BYTES.get(t["dtype"])
+    if itemsize is not None:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * itemsize != end - begin:
+            raise StoreCorrupt(f"{path}: tensor {name!r}: shape {shape} of {t['dtype']} needs {numel * itemsize} "
+                               f"bytes but data_offsets span {end - begin}")
+    if end > data_size:
+        raise StoreCorrupt(f"{path}: tensor {name!r}: data_offsets end {end} lies past the file's {data_size} "
+                           "data bytes (truncated or damaged)")
 
 
 def weight_shards(model_dir: Path) -> list[Path]:

@@ -63,6 +63,30 @@ def validate_name(name: str) -> None:
         )
 
 
+def _import_target(file: Path, src: Path) -> Path:
+    """The file an import copies for `file`: itself, or, for a symlink, its target, which must stay
+    inside the source directory (or, for a Hugging Face cache snapshot, inside the repository's
+    `blobs/`). A link out of there (README.md -> /etc/shadow) is refused: the store would otherwise
+    hold, readable, a file the importing user was only meant to point at."""
+    if not file.is_symlink():
+        return file
+    target = file.resolve()
+    allowed = [src]
+    if src.parent.name == "snapshots":  # <cache>/models--org--name/snapshots/<rev>/config.json -> ../../blobs/x
+        allowed.append(src.parent.parent / "blobs")
+    if not any(target.is_relative_to(a) for a in allowed):
+        raise UserError(f"{file} is a symlink to {target}, outside {src}; copy the file in (or remove the link) "
+                        "and import again")
+    return target
+
+
+def _write_error(exc: OSError, root: Path, name: str) -> UserError:
+    """A failed store write as one line (ENOSPC, EACCES, EROFS...)."""
+    where = exc.filename or root
+    return UserError(f"cannot write model {name!r} into the store {root}: {exc.strerror or exc} ({where}); "
+                     "nothing was published")
+
+
 def _copy_file(src: Path, dst: Path) -> None:
     """Copy one file during an import (a seam tests patch to simulate a crash)."""
     shutil.copyfile(src, dst)
@@ -84,13 +108,21 @@ class ModelStore:
 
     def list(self) -> list[ModelInfo]:
         """Every entry; a damaged one is listed with `error` set rather than hidden."""
-        infos = []
-        for name in self.names():
-            try:
-                infos.append(self._read_info(name, self.root / name))
-            except StoreCorrupt as exc:
-                infos.append(self._broken_info(name, str(exc)))
-        return infos
+        return [self._entry(name) for name in self.names()]
+
+    def entry(self, name: str) -> ModelInfo:
+        """One entry as list() shows it: its info, or, when damaged, what is known with `error` set."""
+        self.path(name)
+        return self._entry(name)
+
+    def _entry(self, name: str) -> ModelInfo:
+        try:
+            return self._read_info(name, self.root / name)
+        except StoreCorrupt as exc:
+            return self._broken_info(name, str(exc))
+        except (OSError, UserError, ValueError, TypeError, KeyError) as exc:
+            # One unreadable or hand-edited entry must not hide the rest of the store.
+            return self._broken_info(name, f"{self.root / name}: {type(exc).__name__}: {exc}")
 
     def path(self, name: str) -> Path:
         """The directory of a model; ModelNotFound (naming what is present) if absent."""
@@ -206,23 +238,29 @@ class ModelStore:
     # ---- writing -------------------------------------------------------------
 
     @contextmanager
-    def staging(self, name: str, source: str, overwrite: bool = False, validate=None) -> Iterator[Path]:
+    def staging(self, name: str, source: str, overwrite: bool = False, validate=None,
+                modes: dict[str, int] | None = None) -> Iterator[Path]:
         """Yield an empty temp dir inside the root; on clean exit, publish it as `name`.
 
         Publishing validates the directory (layout.check_dir), writes gpuserv.yaml,
         fsyncs every file and renames the dir into place. Any exception (or a kill)
         leaves no entry behind: the temp dir is removed now, or by the next write.
         validate(tmp) -> gpuserv.yaml's dict replaces check_dir for entries that are not full
-        models (variants).
+        models (variants). modes: file name -> permission bits to narrow that file to (an import
+        keeps a source file's narrower mode). A full disk or a permission error is a one-line
+        UserError naming the store.
         """
         validate_name(name)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.clean_stale()
-        dest = self.root / name
-        if dest.exists() and not overwrite:
-            raise UserError(f"model {name!r} already exists in {self.root}; pass --overwrite to replace it")
-        tmp = self.root / tmp_name(name)
-        tmp.mkdir(mode=0o700)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.clean_stale()
+            dest = self.root / name
+            if dest.exists() and not overwrite:
+                raise UserError(f"model {name!r} already exists in {self.root}; pass --overwrite to replace it")
+            tmp = self.root / tmp_name(name)
+            tmp.mkdir(mode=0o700)
+        except OSError as exc:
+            raise _write_error(exc, self.root, name) from None
         try:
             yield tmp
             if validate is not None:
@@ -230,9 +268,12 @@ class ModelStore:
             else:
                 config, summary = layout.check_dir(tmp)
                 self._write_meta(tmp, name, source, config, summary)
-            set_default_modes(tmp)
+            set_default_modes(tmp, modes)
             fsync_tree(tmp)
             self._publish(tmp, dest, overwrite)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error(exc, self.root, name) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -279,19 +320,22 @@ class ModelStore:
         src = Path(src).expanduser().resolve()
         if not src.is_dir():
             raise UserError(f"{src}: not a directory")
-        config = layout.read_config(src)
-        layout.require_supported(config, src / "config.json")
-        layout.summarize_weights(src)  # every shard present and readable
-        if not (src / layout.TOKENIZER_FILE).is_file():
-            raise UserError(f"{src / layout.TOKENIZER_FILE}: missing (a fast tokenizer is required)")
         files = [
             p for p in sorted(src.iterdir())
             if p.is_file() and not p.name.startswith(".") and p.name != META_FILE
             and not p.name.endswith(_SKIP_SUFFIXES)
         ]
-        with self.staging(name, source=f"import:{src}", overwrite=overwrite) as tmp:
-            for file in files:
-                _copy_file(file, tmp / file.name)
+        targets = {f.name: _import_target(f, src) for f in files}  # before any file is read
+        config = layout.read_config(src)
+        layout.require_supported(config, src / "config.json")
+        layout.summarize_weights(src)  # every shard present and readable
+        if not (src / layout.TOKENIZER_FILE).is_file():
+            raise UserError(f"{src / layout.TOKENIZER_FILE}: missing (a fast tokenizer is required)")
+        # A copy is never more readable than its source (a 0600 file stays 0600 in the store).
+        modes = {n: t.stat().st_mode & 0o644 for n, t in targets.items()}
+        with self.staging(name, source=f"import:{src}", overwrite=overwrite, modes=modes) as tmp:
+            for file_name, target in targets.items():
+                _copy_file(target, tmp / file_name)
         return self.info(name)
 
     def derive(self, name: str, base: str, adapter: Path, overwrite: bool = False) -> ModelInfo:

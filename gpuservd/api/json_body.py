@@ -1,0 +1,95 @@
+"""Request bodies as JSON, parsed with limits a client cannot push past.
+
+Python's json module accepts what a hostile client can turn into a 500 or a
+stall further down: nesting deep enough to exhaust the recursion limit,
+integers of thousands of digits (int() refuses them past 4300 digits, and
+smaller ones still reach arithmetic), lone UTF-16 surrogates that no encoder
+(the tokenizer's included) will take, and the non-standard NaN/Infinity
+literals. Every one of these is a 400 here, naming where it was found, before
+any field is read. No torch, no I/O: the client and the CLI import this too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_DEPTH = 32  # arrays/objects inside each other; chat bodies need 4, tool schemas a dozen at most
+MAX_INT_DIGITS = 40  # an int64 has 19 digits, a uint64 20; anything much longer is not a real value
+
+
+class BodyError(ValueError):
+    """The body is not JSON we accept; `param` names the field when one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _reject_constant(name: str):
+    raise BodyError(f"the request body holds {name}, which is not JSON (send a number or null)")
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise BodyError(f"the request body holds an integer of {digits} digits; at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > 400:  # float() is linear, but there is no real value this long either
+        raise BodyError(f"the request body holds a number of {len(text)} characters")
+    return float(text)
+
+
+def _path(parts: list) -> str | None:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def _check_string(s: str, parts: list) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = _path(parts)
+        raise BodyError(f"{where or 'the request body'} holds a lone surrogate (\\u{ord(s[exc.start]):04x}) at "
+                        f"character {exc.start}; send valid UTF-16 pairs or UTF-8", where) from None
+
+
+def _walk(value: Any) -> None:
+    """Depth and string checks without recursion (the value may be as deep as json allowed)."""
+    stack: list[tuple[Any, int, list]] = [(value, 0, [])]
+    while stack:
+        v, depth, parts = stack.pop()
+        if isinstance(v, str):
+            _check_string(v, parts)
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                where = _path(parts)
+                raise BodyError(f"the request body nests arrays/objects deeper than {MAX_DEPTH} levels"
+                                + (f" (at {where})" if where else ""), where)
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, item in items:
+                if isinstance(k, str):
+                    _check_string(k, parts)
+                stack.append((item, depth + 1, parts + [k]))
+
+
+def loads(raw: bytes) -> Any:
+    """Parse a request body; BodyError says what is wrong and where."""
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
+    except BodyError:
+        raise
+    except RecursionError:
+        raise BodyError(f"the request body nests arrays/objects deeper than {MAX_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        raise BodyError(f"the request body is not valid JSON at line {exc.lineno} column {exc.colno}: "
+                        f"{exc.msg}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BodyError(f"the request body is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    _walk(value)
+    return value
