@@ -8,8 +8,6 @@ import os
 import stat
 from pathlib import Path
 
-from gpuservd.errors import UserError
-
 
 def gpuserv_home() -> Path:
     """The state root: $GPUSERV_HOME, else systemd's state dir, else ~/.local/share/gpuserv."""
@@ -41,40 +39,40 @@ def user_socket() -> Path:
     return base / SOCKET_NAME
 
 
-def check_private_dir(path: Path) -> None:
-    """Raise UserError unless `path` is a real directory of this user that no one else may write in.
+def private_dir_problem(path: Path) -> str | None:
+    """Why `path` may not hold our socket (a message saying how to fix it), or None when it may.
 
     The user's runtime directory under /tmp has a predictable name: another local user can create it
     first, put a socket of their own inside and read every prompt sent to it. So a directory that is
     someone else's, or that others may write in (and so replace the socket), is refused, by the daemon
-    before it binds there and by clients before they connect.
+    before it binds there and by clients before they connect. A missing one is fine (it is made 0700).
     """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return None
     uid = os.getuid()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UserError(f"{path} should be gpuserv's private runtime directory but is not a directory; "
-                        f"remove it (rm {path}) or point GPUSERV_SOCKET / --socket elsewhere")
+        return (f"{path} should be gpuserv's private runtime directory but is not a directory; "
+                f"remove it (rm {path}) or point GPUSERV_SOCKET / --socket elsewhere")
     if st.st_uid != uid:
-        raise UserError(f"{path} belongs to uid {st.st_uid}, not to you (uid {uid}): another user may have made it "
-                        f"to receive your requests; have it removed (sudo rm -r {path}), or set XDG_RUNTIME_DIR "
-                        "or GPUSERV_SOCKET")
+        return (f"{path} belongs to uid {st.st_uid}, not to you (uid {uid}): another user may have made it "
+                f"to receive your requests; have it removed (sudo rm -r {path}), or set XDG_RUNTIME_DIR "
+                "or GPUSERV_SOCKET")
     if st.st_mode & 0o022:
-        raise UserError(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}), so anyone could "
-                        f"replace the socket in it; run `chmod 700 {path}`")
+        return (f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}), so anyone could "
+                f"replace the socket in it; run `chmod 700 {path}`")
+    return None
 
 
-def ensure_private_dir(path: Path) -> None:
-    """Create `path` with mode 0700 (parents as needed), or accept an existing one that passes
-    check_private_dir."""
+def make_private_dir(path: Path) -> str | None:
+    """Create `path` with mode 0700 (parents as needed); returns private_dir_problem() of the result."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
         pass
-    check_private_dir(path)
+    return private_dir_problem(path)
 
 
 def daemon_socket_path() -> Path:
@@ -101,5 +99,4 @@ def client_socket_path() -> Path:
     user = user_socket()
     if not user.exists() and SYSTEM_SOCKET.exists():
         return SYSTEM_SOCKET
-    check_private_dir(user.parent)
     return user

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 
@@ -15,6 +16,19 @@ class Controller:
 
     async def reload(self):
         return {}
+
+
+def as_this_process(app):
+    """The app seen from a Unix-socket peer that is this process (the server puts SO_PEERCRED there;
+    an in-process transport has no socket), so the admin routes know who asks."""
+
+    async def wrapped(scope, receive, send):
+        state = scope.setdefault("state", {})
+        state.setdefault("peer", (os.getpid(), os.getuid(), os.getgid()))
+        state.setdefault("via", "unix")
+        await app(scope, receive, send)
+
+    return wrapped
 
 
 def run_in_app(check, config: dict, load=(), prepare=None) -> None:
@@ -37,7 +51,8 @@ def run_in_app(check, config: dict, load=(), prepare=None) -> None:
         serving.state = "serving"
         app = build_app(serving, metrics, Controller())
         try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=as_this_process(app)),
+                                         base_url="http://t") as client:
                 await check(client, serving)
         finally:
             await serving.stop_engines()

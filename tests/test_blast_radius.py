@@ -1,6 +1,6 @@
 """One request's failure inside an engine step fails that request alone; the rest of the batch
-finishes with every token. In the engine (a row whose sampling raises for real: a temperature past
-the sampler's floor, set after validation) and through the real daemon with >= 4 streams running
+finishes with every token. In the engine (a row whose sampling raises for real: a logit_bias token id
+outside the vocabulary, set after validation) and through the real daemon with >= 4 streams running
 (the sampler made to raise for one request by a sitecustomize in the daemon process only)."""
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def test_a_row_that_raises_fails_alone_in_the_engine(tiny_model_dir):
     for out in engine.step():
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert engine.rows.take() == []
-    bad.params.temperature = 1e-300  # past validation: logits / T is inf, the softmax NaN, multinomial raises
+    # Past validation (the vocabulary check ran at add_request): a bias on a token id the model does not
+    # have makes the sampler's index_put raise for this row.
+    bad.params.logit_bias = {engine.runner.arch.vocab_size + 5: 1.0}
     failed = []
     while engine.has_unfinished():
         for out in engine.step():
@@ -47,7 +49,7 @@ def test_a_row_that_raises_fails_alone_in_the_engine(tiny_model_dir):
             if out.finished:
                 finish[out.request_id] = out.finish_reason.value
         failed += engine.rows.take()
-    assert [rid for rid, _ in failed] == ["bad"] and isinstance(failed[0][1], RuntimeError)
+    assert [rid for rid, _ in failed] == ["bad"] and isinstance(failed[0][1], (IndexError, RuntimeError))
     assert {rid: len(t) for rid, t in tokens.items() if rid != "bad"} == {f"ok{i}": 30 for i in range(4)}
     assert finish == {"bad": "abort", **{f"ok{i}": "length" for i in range(4)}}
     assert "bad" not in engine.requests and engine.pool.num_free == free  # its KV blocks are back
@@ -60,10 +62,10 @@ def test_the_batch_still_fails_when_no_single_row_does(tiny_model_dir, monkeypat
 
     real = sampler.sample
 
-    def batch_only(logits, requests):  # a fault of the batch, not of any request in it
+    def batch_only(logits, requests, *args, **kw):  # a fault of the batch, not of any request in it
         if len(requests) > 1:
             raise RuntimeError("device fault")
-        return real(logits, requests)
+        return real(logits, requests, *args, **kw)
 
     monkeypatch.setattr(sampler, "sample", batch_only)
     for i in range(2):
@@ -80,10 +82,10 @@ import gpuservd.engine.sampler as _sampler
 _real = _sampler.sample
 
 
-def _sample(logits, requests):
+def _sample(logits, requests, *args, **kw):
     if any(r.params.seed == {POISON_SEED} for r in requests):
         raise RuntimeError("injected sampler failure")
-    return _real(logits, requests)
+    return _real(logits, requests, *args, **kw)
 
 
 _sampler.sample = _sample

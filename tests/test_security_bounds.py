@@ -164,3 +164,20 @@ def test_a_second_sigterm_logs_what_it_aborted(tmp_path, tiny_model_dir):
         d.stop()
     assert "again: aborting 3 requests" in d.log
     assert "drained: 0 finished, 3 aborted" in d.log, d.log[-2000:]
+
+
+def test_names_that_are_no_model_leave_no_per_name_state(store_home):
+    from inprocess_app import run_in_app
+
+    async def check(client, serving):
+        for i in range(50):
+            r = await client.post("/v1/completions", json={"model": f"ghost-{i}", "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 404
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200
+        models = serving.models
+        assert set(models.predictor.rate) == {"tiny"} and set(models.predictor.trans) <= {"tiny"}
+        assert not any(n.startswith("ghost") for n in models.slots)
+
+    run_in_app(check, {"engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
+                       "cache": {"load_on_demand": True}, "server": {"models": []}}, load=["tiny"])

@@ -97,9 +97,9 @@ def test_poison_requests_beside_running_streams_fail_alone(daemon):
         assert (got, body["error"]["param"]) == (status, param), (extra, body)
     tiny_t = answers[len(POISON)]
     assert tiny_t[0] == 200, tiny_t  # raised to the sampler's floor, not a failed step
-    assert answers[-2][0] == 400 and answers[-2][1]["error"]["param"] is None  # NaN is not JSON
-    assert answers[-1][0] == 400
-    assert "NaN" in answers[-1][1]["error"]["message"]
+    assert (answers[-2][0], answers[-2][1]["error"]["param"]) == (400, "temperature")  # NaN is not JSON
+    assert (answers[-1][0], answers[-1][1]["error"]["param"]) == (400, "top_p")
+    assert "NaN, which is not JSON" in answers[-1][1]["error"]["message"]
     assert out == {i: (200, STREAM_TOKENS, "length", []) for i in range(NUM_STREAMS)}
 
 

@@ -17,7 +17,7 @@ import httpx
 
 from gpuservd.api.status import DaemonStatus
 from gpuservd.errors import UserError
-from gpuservd.paths import client_socket_path
+from gpuservd.paths import client_socket_path, private_dir_problem, user_socket
 
 ADMIN_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 LONG_TIMEOUT = httpx.Timeout(None, connect=5.0)  # generation, drain, model load: as long as they take
@@ -109,6 +109,10 @@ def _connection(socket_path, base_url, token, transport_cls) -> tuple[str, dict]
     if base_url:
         return base_url, dict(base_url=base_url, headers=headers, timeout=ADMIN_TIMEOUT)
     path = Path(socket_path) if socket_path else client_socket_path()
+    if path == user_socket():  # a predictable path: never send a prompt to a socket someone else planted
+        problem = private_dir_problem(path.parent)
+        if problem:
+            raise UserError(problem)
     kwargs = dict(transport=transport_cls(uds=str(path)), base_url="http://gpuserv", headers=headers,
                   timeout=ADMIN_TIMEOUT)
     return str(path), kwargs

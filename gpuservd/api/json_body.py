@@ -26,8 +26,11 @@ class BodyError(ValueError):
         self.param = param
 
 
-def _reject_constant(name: str):
-    raise BodyError(f"the request body holds {name}, which is not JSON (send a number or null)")
+class _NotJSON:
+    """What json gives for NaN / Infinity / -Infinity here: refused by _walk, which knows the field."""
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 def _parse_int(text: str) -> int:
@@ -66,6 +69,10 @@ def _walk(value: Any) -> None:
         v, depth, parts = stack.pop()
         if isinstance(v, str):
             _check_string(v, parts)
+        elif isinstance(v, _NotJSON):
+            where = _path(parts)
+            raise BodyError(f"{where or 'the request body'} is {v.name}, which is not JSON; send a finite number",
+                            where)
         elif isinstance(v, (dict, list)):
             if depth >= MAX_DEPTH:
                 where = _path(parts)
@@ -81,7 +88,7 @@ def _walk(value: Any) -> None:
 def loads(raw: bytes) -> Any:
     """Parse a request body; BodyError says what is wrong and where."""
     try:
-        value = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
+        value = json.loads(raw, parse_constant=_NotJSON, parse_int=_parse_int, parse_float=_parse_float)
     except BodyError:
         raise
     except RecursionError:

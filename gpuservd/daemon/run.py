@@ -37,7 +37,7 @@ from gpuservd.events import EventBus
 from gpuservd.events.types import Reload
 from gpuservd.serving.routing import VersionRouter
 from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
-from gpuservd.paths import ensure_private_dir, user_socket
+from gpuservd.paths import make_private_dir, user_socket
 from gpuservd.serving.tenants import TenantMap
 
 log = logging.getLogger("gpuservd")
@@ -65,7 +65,9 @@ def bind_unix(path: Path, mode: int, gid: int | None, backlog: int) -> socket.so
     """
     try:
         if path == user_socket():
-            ensure_private_dir(path.parent)
+            problem = make_private_dir(path.parent)
+            if problem:
+                raise UserError(problem)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
         st = os.lstat(path)

@@ -110,6 +110,8 @@ class Models:
         without loading when the model cannot be loaded now: admission then refuses the request."""
         cc = self.config.cache
         slot = self.slots.get(name)
+        if slot is None and name not in ModelStore().names():
+            return  # admission answers 404; a name that is no model leaves no trace (no per-name state)
         on_device = slot is not None and slot.state == "ready"
         self.cache.touch(name)
         if name in self.prefetch_stats.pending:  # its load was started ahead of this request
@@ -126,8 +128,8 @@ class Models:
         if slot is None or slot.state == "failed":
             if not cc.load_on_demand or time.monotonic() - self._load_failed_at.get(name, -1e9) < LOAD_RETRY_S:
                 return  # admission answers (404 naming the failure, until it may be retried)
-            if name not in ModelStore().names():
-                return  # admission answers 404 with the models there are
+            if slot is not None and name not in ModelStore().names():
+                return  # a failed model since removed from the store: admission answers 404
             task = self._load_tasks.get(name)
             if task is None or task.done():  # one load, however many requests wait on it (no load thrash)
                 task = self._load_tasks[name] = asyncio.ensure_future(self._load_quietly(name))
