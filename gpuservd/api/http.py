@@ -34,6 +34,7 @@ def error_response(exc: APIError, request_id: str, metrics=None) -> JSONResponse
     headers = {protocol.REQUEST_ID_HEADER: request_id, **exc.headers}
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+        headers["Connection"] = "close"  # whatever body follows is never read
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
