@@ -420,8 +420,8 @@ class EngineLoop:
         """One request's own row raised in a step: it alone fails (HTTP 500 naming it); the batch goes on."""
         error_id = self._log_internal(exc, request_id)
         self.snapshot.num_engine_errors += 1
-        events.append(EngineError(model=self.model, error_id=error_id, error=f"{type(exc).__name__}: {exc}",
-                                  num_failed_requests=1, request_ids=[request_id]))
+        events.append(EngineError(model=self.model, error_id=error_id, num_failed_requests=1,
+                                  error=f"request {request_id}: {type(exc).__name__}: {exc}"))
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             deliveries.append((sink, Failed(request_id, exc, True, error_id)))

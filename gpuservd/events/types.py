@@ -270,7 +270,6 @@ class EngineError(Event):
     error_id: str = ""  # the id its traceback is logged under
     error: str = ""  # exception type and message
     num_failed_requests: int = 0  # requests that failed with it
-    request_ids: list[str] = field(default_factory=list)  # set when one request's own row raised (it alone failed)
 
 
 @dataclass(kw_only=True)
