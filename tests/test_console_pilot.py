@@ -199,8 +199,10 @@ def test_console_imports_no_torch_nor_the_engine():
         "    async with app.run_test(size=(80, 24)) as pilot:\n"
         "        await pilot.press('2', '3', '5')\n"
         "asyncio.run(go())\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy', 'safetensors')\n"
-        "             or m.startswith(('gpuservd.engine', 'gpuservd.runner', 'gpuservd.kv_cache', 'gpuservd.serving')))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy', 'safetensors',\n"
+        "                                                         'starlette', 'uvicorn')\n"
+        "             or m.startswith(('gpuservd.engine', 'gpuservd.runner', 'gpuservd.kv_cache', 'gpuservd.serving',\n"
+        "                              'gpuservd.models', 'gpuservd.weights', 'gpuservd.worker')))\n"
         "print(bad)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
