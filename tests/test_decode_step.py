@@ -218,3 +218,22 @@ def test_graph_control_flow_with_a_stand_in_capture(tiny_model_dir, ops, caplog)
     assert st["path"] == "fixed_shape_eager" and "capture failed (RuntimeError: operation not permitted" in st["reason"]
     assert "decode steps run the fixed-shape step eagerly" in caplog.text
     assert eng2.generate(ps, params) == want
+
+
+def test_a_layered_load_captures_at_the_first_decode_step(tiny_model_dir, ops):
+    """While layers still stream in, nothing is captured; the first decode-only step after the load
+    captures the whole-forward graphs, and the per-layer segments too when an arbiter already yields."""
+    from gpuservd.runner.cuda_graphs import DecodeGraphs
+
+    ps = prompts(n=2, length=5)
+    params = SamplingParams(max_tokens=6, **PARAMS)
+    want = engine(tiny_model_dir).generate(ps, params)
+    cfg = EngineConfig(model="tiny", block_size=4, kv_cache_bytes=4 << 20)
+    eng = LLMEngine("tiny", tiny_model_dir, cfg, initial_layers=1)
+    step = eng.runner.enable_decode_step([1, 2])
+    step.graphs = DecodeGraphs(step, record=rerun_record)
+    calls = []
+    eng.yield_point = calls.append  # before any capture: remembered
+    assert step.graphs.captured == [] and not step.graphs.segmented
+    assert eng.generate(ps, params) == want
+    assert step.graphs.captured == [1, 2] and step.graphs.segmented and step.last_path == "graph"

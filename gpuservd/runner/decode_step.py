@@ -37,6 +37,7 @@ check there that padded buckets give the unpadded path's greedy tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -193,14 +194,13 @@ class DecodeStep:
         return logits, self.choose(logits)
 
 
+@dataclass
 class DecodeResult:
-    """A fixed-shape step's output, on the device: logits [n, V] fp32 and chosen [2, n] int64 (greedy
-    ids; stop verdicts). unchecked: rows whose stop ids did not fit the device check."""
+    """A fixed-shape step's output, on the device."""
 
-    def __init__(self, logits: torch.Tensor, chosen: torch.Tensor, unchecked: list[int]):
-        self.logits = logits
-        self.chosen = chosen
-        self.unchecked = unchecked
+    logits: torch.Tensor  # [n, V] fp32
+    chosen: torch.Tensor  # [2, n] int64: the greedy ids; 1 where the id is one of the row's stop ids
+    unchecked: list[int]  # rows whose stop ids did not fit the device check (checked on the host)
 
     @property
     def greedy(self) -> torch.Tensor:

@@ -94,6 +94,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
         )
         self.decode_step: DecodeStep | None = None
+        self._wants_segments = False  # an arbiter yields between layers (prepare_yields)
         self._graphs_config = cuda_graphs_config or CudaGraphsConfig()
         self._decode_reason = self._setup_decode_path()
 
@@ -143,7 +144,9 @@ class ModelRunner:
                  "per-layer" if segmented else "whole-forward", ",".join(map(str, sizes)), took)
 
     def prepare_yields(self) -> None:
-        """The sharing arbiter will yield between layers: capture per-layer segment graphs (once)."""
+        """The sharing arbiter will yield between layers: capture per-layer segment graphs (once; after a
+        layered load, when the whole-forward graphs are captured)."""
+        self._wants_segments = True
         step = self.decode_step
         if step is not None and step.graphs is not None and not step.graphs.segmented and step.graphs.captured:
             self.capture_graphs(segmented=True)
@@ -170,6 +173,8 @@ class ModelRunner:
             gate = self.weights.gate
             if graphs is not None and not graphs.captured and (gate is None or gate.num_ready == self.arch.num_layers):
                 self.capture_graphs()  # a layered load has completed
+                if self._wants_segments and step.graphs is not None:
+                    self.capture_graphs(segmented=True)
             return step.run(chunks, between=suspend)
         batch = build_batch(chunks, self.block_size, self.device)
         return self.model.forward(batch, self.cache.layer, suspend=suspend)
