@@ -251,3 +251,30 @@ def test_property_sharing_eviction_swap_no_leak_no_shared_write(num_blocks, max_
         _check_accounting(s)
     assert s.pool.num_used == 0 and s.pool.num_free == s.pool.num_blocks and s.host.num_used == 0
     assert not s.kv._kv and not s.kv.prefix._hashes  # nothing kept for requests that are gone
+
+
+def test_a_recompute_keeping_its_tail_takes_its_dropped_blocks_back_from_the_cache():
+    """Recompute drops a victim's oldest blocks; they stay cached (nobody took them), so when it resumes
+    it shares all but the last of them again and rebuilds only that one block before its kept tail."""
+    from gpuservd.engine.schedule_output import SchedulerOutput
+
+    s = Scheduler(SchedulerConfig(), BlockPool(32), 4, PreemptionConfig(mode="on", kind="recompute", min_exec_s=0),
+                  layout=KVLayout(4, 4096), prefix_caching=True)
+    r = Request("a", list(range(1, 25)), SamplingParams(max_tokens=8))
+    s.add(r)
+    assert s.schedule().chunks[0].num_tokens == 24
+    r.advance(24)
+    r.output_token_ids.append(99)
+    table = list(s.kv.table(r))
+    out = SchedulerOutput(step_id=0)
+    s._preempt(r, out, need=3, reason="test")
+    assert out.preemptions[0].kind == "recompute" and out.preemptions[0].tokens_to_recompute == 12
+    assert r.rebuild is not None and s.kv.table(r) == table[3:]
+    out = s.schedule()
+    (c,) = out.chunks
+    assert (c.start_pos, c.num_tokens) == (8, 4) and out.num_prefix_hit_tokens == 8 and out.num_prefix_query_tokens == 12
+    assert s.kv.table(r)[:2] == table[:2] and s.kv.table(r)[3:] == table[3:]
+    r.advance(4)
+    assert r.num_computed_tokens == 24 and r.rebuild is None  # back on its kept tail
+    s.remove(r)
+    assert s.pool.num_used == 0

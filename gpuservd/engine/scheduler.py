@@ -371,8 +371,8 @@ class Scheduler:
                 return
             if req.request_id in just_preempted:
                 continue
-            fresh = not self.kv.holds_kv(req)
-            prefix = self.kv.find_cached_prefix(req) if fresh else None
+            queried = self.kv.num_lookup_tokens(req)
+            prefix = self.kv.find_cached_prefix(req)
             if prefix is not None and prefix.deferred:
                 continue  # another request computes its next block this step: it shares that next step
             hit = prefix.num_tokens if prefix is not None else 0
@@ -389,8 +389,8 @@ class Scheduler:
                 return  # the pool is full: this request and those after it wait
             if not self._resume(out, req, num_new, prefix):
                 return
-            if fresh:
-                out.count_prefix_lookup(*self.kv.prefix.count_admission(req, prefix))
+            if queried:
+                out.count_prefix_lookup(*self.kv.prefix.count_admission(req, prefix, queried))
             self.waiting.remove(req)
             if pinned:
                 reserved += max(0, self._total_blocks(req) - self.kv.num_table_blocks(req))

@@ -101,8 +101,9 @@ class KVCacheManager:
     def blocks_to_hold(self, request, num_new: int, prefix: CachedPrefix | None = None) -> int:
         """Blocks its table gains for the next num_new tokens, shared ones included (what a tenant's
         KV block quota charges it: every block a request references counts, shared or not)."""
-        if prefix is None:
-            return self.blocks_needed(request, num_new)
+        kv = self._kv.get(request.request_id)
+        if prefix is None or (kv is not None and kv.num_dropped):
+            return self.blocks_needed(request, num_new)  # a dropped prefix: its dropped blocks, shared or not
         return self._num_blocks_for(prefix.num_tokens + num_new)
 
     def _num_evictable(self, prefix: CachedPrefix) -> int:
@@ -120,10 +121,13 @@ class KVCacheManager:
     def blocks_needed(self, request, num_new: int, prefix: CachedPrefix | None = None) -> int:
         """Device blocks `allocate_slots(request, num_new, prefix)` (or `swap_in`) would take from the
         pool: fresh ones, and cached ones nobody references that the prefix would take out of the free queue."""
-        if prefix is not None:
-            fresh = self._num_blocks_for(prefix.num_tokens + num_new) - len(prefix.blocks)
-            return fresh + self._num_evictable(prefix)
         kv = self._kv.get(request.request_id)
+        if prefix is not None:
+            if kv is not None and kv.num_dropped:
+                fresh = kv.num_dropped - len(prefix.blocks)
+            else:
+                fresh = self._num_blocks_for(prefix.num_tokens + num_new) - len(prefix.blocks)
+            return fresh + self._num_evictable(prefix)
         if kv is not None and kv.swapped is not None:
             s = kv.swapped
             return s.num_blocks - len(s.park_blocks) + self._growth(request, s.num_blocks, num_new)
@@ -142,30 +146,29 @@ class KVCacheManager:
     # -- allocation --------------------------------------------------------
     def allocate_slots(self, request, num_new: int, prefix: CachedPrefix | None = None) -> list[int] | None:
         """Device blocks for the request's next `num_new` tokens (after its num_computed_tokens, or after
-        a cached `prefix` of a request holding nothing yet, whose blocks it then shares), or None with
-        nothing taken when the pool has too few. A partly dropped request gets its dropped blocks back
-        in front of its kept tail. Returns the blocks added (possibly none)."""
+        a cached `prefix` from `find_cached_prefix`, whose blocks it then shares), or None with nothing
+        taken when the pool has too few. A partly dropped request gets its dropped blocks back (the
+        cached prefix of them shared, the rest fresh) in front of its kept tail. Returns the blocks added."""
         kv = self._get(request)
         if kv.swapped is not None:
             raise ValueError(f"request {request.request_id} is swapped out: swap_in first")
         need = self.blocks_needed(request, num_new, prefix)
         if need > self.pool.num_free:
             return None
+        shared: list[int] = []
         if prefix is not None:
-            if kv.table or kv.num_dropped or request.num_computed_tokens:
+            if request.num_computed_tokens or (kv.table and not kv.num_dropped):
                 raise ValueError(f"request {request.request_id} already has KV: a cached prefix cannot join it")
             need -= self._num_evictable(prefix)
             self.pool.touch(prefix.blocks)
-            kv.table = list(prefix.blocks)
-            kv.num_committed = len(prefix.blocks)
-        if need == 0:
-            return []
-        new = self.pool.allocate(need)
+            shared = list(prefix.blocks)
+        new = self.pool.allocate(need) if need else []
         if kv.num_dropped:
-            kv.table[:0] = new
+            kv.table[:0] = shared + new
             kv.num_dropped = 0
         else:
-            kv.table.extend(new)
+            kv.table.extend(shared + new)
+        kv.num_committed = max(kv.num_committed, len(shared))
         return new
 
     def free(self, request) -> None:
@@ -263,11 +266,27 @@ class KVCacheManager:
 
     # -- prefix caching ----------------------------------------------------
     def find_cached_prefix(self, request) -> CachedPrefix | None:
-        """The cached leading blocks a request holding no KV could share (None: caching off, the
-        request holds KV, or nothing is cached)."""
-        if request.num_computed_tokens or self.holds_kv(request):
+        """The cached leading blocks a request could share as it is admitted: a request holding no KV
+        (its known tokens but the last), or one resuming with its oldest blocks dropped (all but the
+        last dropped block: the rebuild then computes at least that one, and ends on its kept tail).
+        None when caching is off, the request holds other KV, or nothing is cached."""
+        kv = self._kv.get(request.request_id)
+        if request.num_computed_tokens or (kv is not None and kv.swapped is not None):
+            return None
+        if kv is not None and kv.num_dropped:
+            return self.prefix.find(request, max_blocks=kv.num_dropped - 1)
+        if self.holds_kv(request):
             return None
         return self.prefix.find(request)
+
+    def num_lookup_tokens(self, request) -> int:
+        """Tokens `find_cached_prefix` looks up for the request now (a query, as the stats count it)."""
+        kv = self._kv.get(request.request_id)
+        if request.num_computed_tokens or (kv is not None and kv.swapped is not None):
+            return 0
+        if kv is not None and kv.num_dropped:
+            return kv.num_dropped * self.block_size
+        return 0 if self.holds_kv(request) else request.num_tokens
 
     def note_scheduled(self, request, start: int, num_new: int) -> None:
         """This step computes tokens [start, start + num_new) of the request: the blocks they fill are

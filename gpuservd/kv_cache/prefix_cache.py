@@ -84,13 +84,14 @@ class PrefixCache:
     def _max_hit_blocks(self, request) -> int:
         return (request.num_tokens - 1) // self.block_size
 
-    def find(self, request) -> CachedPrefix | None:
-        """The longest run of the request's leading full blocks in the cache, leaving its last token
-        to compute; None when caching is off or nothing is cached."""
+    def find(self, request, max_blocks: int | None = None) -> CachedPrefix | None:
+        """The longest run of the request's leading full blocks in the cache (at most max_blocks), leaving
+        its last token to compute; None when caching is off or nothing is cached."""
         if not self.enabled:
             return None
         blocks = []
-        hs = self.hashes(request, self._max_hit_blocks(request))
+        limit = self._max_hit_blocks(request)
+        hs = self.hashes(request, limit if max_blocks is None else min(limit, max_blocks))
         for h in hs:
             b = self.pool.lookup(h)
             if b is None:
@@ -101,14 +102,17 @@ class PrefixCache:
             return None
         return CachedPrefix(blocks, len(blocks) * self.block_size, deferred)
 
-    def count_admission(self, request, prefix: CachedPrefix | None) -> tuple[int, int, int]:
-        """Count an admitted request's look-up: (query tokens, hit tokens, repeat tokens). With caching
-        off, the repeat tokens are those a cache would have found among recent admissions."""
+    def count_admission(self, request, prefix: CachedPrefix | None, queried: int) -> tuple[int, int, int]:
+        """Count an admitted request's look-up of `queried` tokens: (query tokens, hit tokens, repeat
+        tokens). With caching off, the repeat tokens of a request that held no KV are those a cache would
+        have found among recent admissions."""
         if self.enabled:
             hit = prefix.num_tokens if prefix is not None else 0
-            self.stats.num_query_tokens += request.num_tokens
+            self.stats.num_query_tokens += queried
             self.stats.num_hit_tokens += hit
-            return request.num_tokens, hit, 0
+            return queried, hit, 0
+        if queried != request.num_tokens:
+            return 0, 0, 0  # a rebuild of its own dropped blocks, not a repeated prompt
         hs = self.hashes(request, self._max_hit_blocks(request))
         self.forget(request)
         repeat = 0
