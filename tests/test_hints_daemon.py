@@ -106,11 +106,12 @@ def test_workload_fires_s7_quota_and_starvation_rules(run):
 def test_status_and_metrics_say_which_rules_have_no_data_here(run):
     d = run[0]
     rules = {r["name"]: r for r in d.status()["hint_rules"]}
-    assert len(rules) == 12
+    assert len(rules) == 13
     # no NVML, no arbiter, one model, no sweep of "tiny" in this GPUSERV_HOME
     for name in ("bandwidth_bound", "device_errors", "timeslice_overhead", "sharing_contention", "batch_past_plateau"):
         assert not rules[name]["fed"] and rules[name]["missing"], name
-    for name in ("kv_quota_small", "preemption_off_skewed", "cache_hit_rate_low", "load_after_evict"):
+    for name in ("kv_quota_small", "preemption_off_skewed", "cache_hit_rate_low", "load_after_evict",
+                 "prefix_caching_off_repeats"):
         assert rules[name]["fed"], name  # the weight cache reports hits and misses
     wait_until(lambda: "kv_quota_small" in active(d), 30, what="kv hint")
     with d.http() as c:
