@@ -33,7 +33,9 @@ def run(tmp_path_factory, tiny_model_dir):
     # default 3 and 16 long requests, most were pinned early, ran out the tail one or two at a time, and
     # the pool read "full" in only 49-62% of the steps (the kv_quota_small rule wants 50%). With 8 and
     # 24 long requests it read 58-71% in four runs.
-    d = DaemonProcess(tmp, home, config={"engine": {"kv_cache_bytes": "240KiB"},
+    # Prefix caching off: 64 greedy requests with one prompt would share their blocks (a recomputed one
+    # finds its tokens cached) and the pool would not stay full.
+    d = DaemonProcess(tmp, home, config={"engine": {"kv_cache_bytes": "240KiB", "prefix_caching": False},
                                          "preemption": {"mode": "off", "max_preemptions": 8},
                                          "scheduler": {"max_num_seqs": 16}})
     try:
