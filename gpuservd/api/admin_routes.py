@@ -56,6 +56,8 @@ def routes(serving: Serving, controller) -> list[Route]:
         dead = [n for n, s in serving.slots.items() if s.state == "ready" and s.loop is not None and not s.loop.alive]
         if dead:
             return JSONResponse({"status": "unhealthy", "dead_engines": dead}, status_code=503)
+        if serving.state == "draining":  # a router's health check takes the daemon out of its rotation
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @endpoint(public=True)
@@ -180,7 +182,7 @@ def routes(serving: Serving, controller) -> list[Route]:
                               media_type="text/event-stream" if sse else "application/x-ndjson",
                               headers={"Cache-Control": "no-cache"})
 
-    @endpoint()
+    @endpoint(public=lambda _request: serving.config.server.metrics_public)
     async def metrics(request: Request):
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 

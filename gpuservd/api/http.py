@@ -1,7 +1,9 @@
 """HTTP plumbing shared by the routes: request ids, errors, auth, peer identity, streaming.
 
-`endpoint` wraps every route: it gives the request an id (in the
-X-Request-Id header and every log line), checks the TCP bearer token, and turns
+`endpoint` wraps every route: it gives the request an id (the client's
+X-Request-Id when it sent one, so a router's or gateway's id follows the request
+through the logs, events and the response; else a new one), checks the TCP
+bearer token, and turns
 an APIError into its OpenAI-shaped body and anything unexpected into a 500
 that names the request id, whose traceback is logged under the same id. The
 daemon keeps serving either way.
@@ -13,6 +15,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import re
 import uuid
 
 from starlette.requests import ClientDisconnect, Request
@@ -26,6 +29,7 @@ from gpuservd.serving.request_stream import RequestContext
 from gpuservd.serving.tenants import TenantError
 
 log = logging.getLogger("gpuservd.api")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII without spaces: safe in a log line and a header
 
 
 def error_response(exc: APIError, request_id: str, metrics=None) -> JSONResponse:
@@ -69,17 +73,33 @@ def too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large", {"Connection": "close"})
 
 
-def endpoint(prefix: str = "req", public: bool = False):
-    """Decorate a route: request id, auth (unless public), errors -> OpenAI-shaped responses."""
+def _request_id(request: Request, prefix: str) -> tuple[str, APIError | None]:
+    """The client's X-Request-Id when it is usable, else a new id (and the error to answer with)."""
+    given = request.headers.get(protocol.REQUEST_ID_HEADER)
+    new = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    if given is None:
+        return new, None
+    if not _REQUEST_ID.fullmatch(given):
+        return new, protocol.bad_request("X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
+                                         "X-Request-Id", "invalid_request_id")
+    return given, None
+
+
+def endpoint(prefix: str = "req", public=False):
+    """Decorate a route: request id, auth (unless public), errors -> OpenAI-shaped responses.
+
+    public: True, False, or a function of the request (a setting read at request time)."""
 
     def deco(fn):
         @functools.wraps(fn)
         async def wrapped(request: Request):
-            request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            request_id, bad_id = _request_id(request, prefix)
             request.scope.setdefault("state", {})["request_id"] = request_id
             metrics = request.app.state.metrics
             try:
-                if not public:
+                if bad_id is not None:
+                    raise bad_id
+                if not (public(request) if callable(public) else public):
                     _check_auth(request)
                 response = await fn(request)
             except APIError as exc:
@@ -107,6 +127,11 @@ def endpoint(prefix: str = "req", public: bool = False):
 def request_context(request: Request, serving):
     """Who sent this request: request id, tenant (from the peer uid and the tenant header), peer."""
     via, uid, pid = peer(request)
+    request_id = request.scope["state"]["request_id"]
+    if request_id in serving.active:  # a client's X-Request-Id names one request at a time
+        serving.reject("duplicate_request_id")
+        raise protocol.bad_request(f"a request with id {request_id} is still in flight; send a unique X-Request-Id",
+                                   "X-Request-Id", "duplicate_request_id")
     asked = request.headers.get(protocol.TENANT_HEADER)
     trusted = via == "tcp" and request.app.state.tcp_token is not None
     try:
@@ -115,7 +140,7 @@ def request_context(request: Request, serving):
         serving.reject("tenant")
         raise APIError(exc.status, str(exc), "permission_error" if exc.status == 403 else "invalid_request_error",
                        "X-Gpuserv-Tenant", "tenant_not_allowed" if exc.status == 403 else "unknown_tenant") from None
-    return RequestContext(request.scope["state"]["request_id"], tenant, uid, pid, via)
+    return RequestContext(request_id, tenant, uid, pid, via)
 
 
 async def not_found(request: Request, exc) -> JSONResponse:

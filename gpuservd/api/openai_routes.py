@@ -163,9 +163,10 @@ def routes(serving: Serving) -> list[Route]:
         return await generate(request, "chat")
 
     def model_card(name: str) -> dict:
+        """vLLM's card: root names the weights the model is built from, parent the base of a derived variant."""
         slot = serving.slots[name]
         return {"id": name, "object": "model", "created": int(slot.created), "owned_by": "gpuserv",
-                "max_model_len": slot.max_model_len, "state": slot.state}
+                "root": name, "parent": slot.base, "max_model_len": slot.max_model_len, "state": slot.state}
 
     @endpoint()
     async def list_models(request: Request):

@@ -24,7 +24,7 @@ from gpuservd.api.apierror import (APIError, bad_request, internal_error, model_
 log = logging.getLogger(__name__)
 
 TENANT_HEADER = "x-gpuserv-tenant"  # lets a trusted client name its tenant (see profiles/tenants.yaml)
-REQUEST_ID_HEADER = "x-request-id"  # every response carries the daemon's id for the request
+REQUEST_ID_HEADER = "x-request-id"  # the client's id for the request (kept), or the daemon's; on every response
 
 
 # ---- request parsing ------------------------------------------------------------------------------

@@ -455,6 +455,7 @@ class LLMEngine:
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             logprobs=[lp] if lp is not None else None,
+            scheduled_time=req.scheduled_time,
         )
 
     # -- offline convenience ---------------------------------------------

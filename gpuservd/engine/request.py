@@ -183,6 +183,7 @@ class Request:
     # themselves are the KV cache manager's (kv_cache/manager.py).
     rebuild: Rebuild | None = None
     num_recomputed_tokens: int = 0  # prefill work redone because of preemptions
+    scheduled_time: float | None = None  # monotonic time it first entered the running batch
     first_token_time: float | None = None  # monotonic time of the first output token
     finish_time: float | None = None
     # Sampling and detokenizer state (see engine/sampler.py, engine/detokenizer.py).
@@ -247,3 +248,4 @@ class RequestOutput:
     first_token_time: float | None  # monotonic, None until the first token
     finish_time: float | None  # monotonic, None until finished
     logprobs: list | None = None  # one sampler.TokenLogprobs per new token when params.logprobs is set
+    scheduled_time: float | None = None  # monotonic, None until it first entered the running batch

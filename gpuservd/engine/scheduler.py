@@ -396,6 +396,8 @@ class Scheduler:
                 reserved += max(0, self._total_blocks(req) - self.kv.num_table_blocks(req))
             req.state = RequestState.RUNNING
             req.admitted_time = time.monotonic()
+            if req.scheduled_time is None:
+                req.scheduled_time = req.admitted_time
             self.running.append(req)
             seqs[req.tenant] = seqs.get(req.tenant, 0) + 1
             blocks[req.tenant] = blocks.get(req.tenant, 0) + charge

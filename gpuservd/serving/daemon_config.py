@@ -38,6 +38,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # request bodies larger than this are refused (413)
     header_timeout_s: float = 10.0  # a connection must send its request head within this
     body_timeout_s: float = 30.0  # ...and its body within this after the head (a slow sender is cut off)
+    metrics_public: bool = False  # true: GET /metrics over TCP needs no token (for Prometheus, endpoint pickers)
     models: list = field(default_factory=lambda: ["smollm2"])  # loaded at start
     max_queued_per_model: int = 256  # admitted requests without a first token yet, per model; more -> 429
     max_queued_per_tenant: int = 128  # the same per tenant (tenants.yaml may set its own)
@@ -64,7 +65,7 @@ class ServerConfig:
             raise UserError(f"server.drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise UserError(f"server.log_level must be debug, info, warning or error, got {self.log_level!r}")
-        for name in ("log_requests", "log_prompts"):
+        for name in ("log_requests", "log_prompts", "metrics_public"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"server.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.max_body_bytes, int) or not 1024 <= self.max_body_bytes <= 1 << 30:
@@ -125,7 +126,8 @@ class ServerConfig:
 # applies at the next model load (the engine section).
 HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "max_n", "drain_timeout", "admission_window_ms",
               "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions", "log_prompts",
-              "max_body_bytes")
+              "max_body_bytes",
+              "metrics_public")
 
 
 def parse_tcp(addr: str) -> tuple[str, int]:

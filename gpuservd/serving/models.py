@@ -72,6 +72,7 @@ class Models:
         self.sources = WeightSources(self.cache, lambda: config.engine, config.cache.compression)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
+        self.load_waiters: dict[str, int] = {}  # model -> requests waiting for its load (counted as waiting)
         self.router = VersionRouter(config.server.versions)
         self.predictor = Predictor(min_prob=config.cache.prefetch_min_prob)
         self.prefetch_stats = PrefetchStats()
@@ -136,11 +137,16 @@ class Models:
             waiter = asyncio.shield(task)
         else:
             waiter = slot.loaded.wait()  # a load already under way (on demand or by the admin API)
+        self.load_waiters[name] = self.load_waiters.get(name, 0) + 1
         try:
             await asyncio.wait_for(waiter, cc.load_timeout_s)
         except asyncio.TimeoutError:
             raise ModelUnavailable(f"model {name} is still loading after {cc.load_timeout_s:.0f} s; retry shortly",
                                    code="model_loading", retry_after_s=5) from None
+        finally:
+            left = self.load_waiters.pop(name) - 1
+            if left:
+                self.load_waiters[name] = left
 
     def _watch_hit_rate(self, name: str, hit: bool) -> None:
         """A device hit rate under cache.hit_rate_alert over the last lookups publishes one
@@ -195,6 +201,7 @@ class Models:
         t0 = time.monotonic()
         try:
             base, config_dir = self.sources.variant_dirs(name, model_dir)  # a variant runs on its base's config
+            slot.base = base
             self.cache.claim(name)  # weights held for its variants stay while its engine is built
             slot.device = await self._make_room(name)  # the device it goes to
             if cfg.devices:  # several devices; with one, engine.device applies (reload too)
@@ -358,6 +365,8 @@ class Models:
             await asyncio.to_thread(slot.loop.stop)
         slot.encoder.shutdown(wait=False)
         self.slots.pop(name, None)
+        if self.metrics is not None:
+            self.metrics.remove_model(name)
         self.sharing.detach(name)
         self.cache.device_evicted(name)
         self.bus.publish(ModelUnload(model=name, device=slot.device or None, num_aborted=aborted))

@@ -46,6 +46,7 @@ class ModelSlot:
         self.state = "loading"  # loading | ready | unloading | failed
         self.created = time.time()  # when the load started (wall clock, for /v1/models)
         self.pinned = pinned
+        self.base: str | None = None  # the base model of a derived variant (known once its load starts)
         self.error: str | None = None
         self.loop: AnyEngineLoop | None = None  # an EngineLoop, or a worker.proxy.WorkerLoop (isolation: process)
         self.worker_exit: dict | None = None  # how its engine worker process ended, when that failed it
