@@ -31,7 +31,8 @@ PICKER = {
     "vllm:num_requests_running": ("gauge", set()),
     "vllm:kv_cache_usage_perc": ("gauge", set()),
     "vllm:gpu_cache_usage_perc": ("gauge", set()),
-    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks"}),
+    "vllm:num_requests_swapped": ("gauge", set()),
+    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks", "enable_prefix_caching"}),
     "vllm:lora_requests_info": ("gauge", {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}),
 }
 # What vLLM's Grafana dashboards read, per model (parser family names: a counter's without _total).
@@ -53,6 +54,7 @@ DASHBOARD = {
     "vllm:num_preemptions": "counter",
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_swapped": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:gpu_cache_usage_perc": "gauge",
 }
@@ -98,13 +100,15 @@ def test_every_family_the_picker_and_dashboards_read(home):
             assert fams[name].type == kind, name
             models = {s.labels.get("model_name") for s in fams[name].samples} - {None}
             assert models == {"tiny", "tiny2"}, (name, models)
-        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:num_requests_swapped",
+                     "vllm:kv_cache_usage_perc"):
             per_model = [s for s in fams[name].samples[1:] if set(s.labels) == {"model_name"}]
             assert len(per_model) == 2 and len(fams[name].samples) == 3, name
         assert value(fams, "vllm:num_requests_waiting") == 0 and value(fams, "vllm:num_requests_running") == 0
         blocks = {n: s.loop.snapshot.kv_blocks_total for n, s in serving.slots.items()}
         first = fams["vllm:cache_config_info"].samples[0].labels
-        assert first == {"block_size": "4", "num_gpu_blocks": str(sum(blocks.values()))}
+        assert first == {"block_size": "4", "num_gpu_blocks": str(sum(blocks.values())),
+                         "enable_prefix_caching": "True"}
         for s in fams["vllm:cache_config_info"].samples[1:]:
             assert s.labels["num_gpu_blocks"] == str(blocks[s.labels["model_name"]])
         # Request-level histograms mean what vLLM's mean, per request.

@@ -61,38 +61,40 @@ def _load_gauges(serving, slots):
     """The families a router or endpoint picker reads: the daemon's total first, then each model's."""
     running = _gauge("vllm:num_requests_running", "Requests in an engine's batch")
     waiting = _gauge("vllm:num_requests_waiting", "Requests queued in an engine or waiting for their model's load")
+    swapped = _gauge("vllm:num_requests_swapped", "Preempted requests whose KV is in host memory")
     usage = _gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)")
     gpu_usage = _gauge("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full); vLLM's older name")
     # model_name last: the daemon's series leaves it out (add_metric pairs the values with the leading names)
     cache_info = _gauge("vllm:cache_config_info", "KV cache layout: tokens per block and blocks on the device",
-                        ["block_size", "num_gpu_blocks"] + MODEL)
+                        ["block_size", "num_gpu_blocks", "enable_prefix_caching"] + MODEL)
     load_waiters = dict(serving.models.load_waiters)
-    rows = []  # (model, running, waiting, used blocks, total blocks)
+    rows = []  # (model, running, waiting, swapped, used blocks, total blocks)
     for name, slot in slots:
         s = slot.loop.snapshot if slot.loop is not None else None
         if s is None and not load_waiters.get(name):
             continue
-        rows.append((name, s.num_running if s else 0, (s.num_waiting if s else 0) + load_waiters.get(name, 0),
-                     s.kv_blocks_used if s else 0, s.kv_blocks_total if s else 0))
+        if s is None:
+            rows.append((name, 0, load_waiters[name], 0, 0, 0))
+            continue
+        rows.append((name, s.num_running, s.num_waiting + load_waiters.get(name, 0),
+                     (s.preemption or {}).get("num_swapped", 0), s.kv_blocks_used, s.kv_blocks_total))
     in_slots = {name for name, _ in slots}
-    rows.extend((name, 0, n, 0, 0) for name, n in load_waiters.items() if n and name not in in_slots)
-    used, total = sum(r[3] for r in rows), sum(r[4] for r in rows)
-    frac = used / total if total else 0.0
-    block_size = str(serving.config.engine.block_size)
-    running.add_metric([], sum(r[1] for r in rows))
-    waiting.add_metric([], sum(r[2] for r in rows))
-    usage.add_metric([], frac)
-    gpu_usage.add_metric([], frac)
-    cache_info.add_metric([block_size, str(total)], 1)
-    for name, num_running, num_waiting, blocks_used, blocks_total in rows:
+    rows.extend((name, 0, n, 0, 0, 0) for name, n in load_waiters.items() if n and name not in in_slots)
+    engine = serving.config.engine
+    layout = [str(engine.block_size), "", str(engine.prefix_caching)]
+    totals = [sum(r[i] for r in rows) for i in range(1, 6)]
+    for label, row in [([], ("", *totals))] + [([r[0]], r) for r in rows]:
+        _, num_running, num_waiting, num_swapped, blocks_used, blocks_total = row
         frac = blocks_used / blocks_total if blocks_total else 0.0
-        running.add_metric([name], num_running)
-        waiting.add_metric([name], num_waiting)
-        usage.add_metric([name], frac)
-        gpu_usage.add_metric([name], frac)
-        if blocks_total:
-            cache_info.add_metric([block_size, str(blocks_total), name], 1)
-    yield from (running, waiting, usage, gpu_usage, cache_info)
+        running.add_metric(label, num_running)
+        waiting.add_metric(label, num_waiting)
+        swapped.add_metric(label, num_swapped)
+        usage.add_metric(label, frac)
+        gpu_usage.add_metric(label, frac)
+        if blocks_total or not label:
+            layout[1] = str(blocks_total)
+            cache_info.add_metric(layout + label, 1)
+    yield from (running, waiting, swapped, usage, gpu_usage, cache_info)
     yield _variant_info(serving, slots, load_waiters)
 
 

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""How long GET /metrics takes on a daemon that is serving, scraped the way an endpoint picker scrapes it.
+
+    python scripts/bench_metrics_scrape.py [--socket PATH | --url http://box:8400] [--token-file F]
+                                           [--models a,b] [--rate 20] [--seconds 20] [--clients 4]
+                                           [--max-tokens 64] [--out DIR]
+
+--clients streaming completions run back to back, spread over --models (default: every model the daemon
+lists), while one scraper GETs /metrics --rate times a second for --seconds. Reports P50/P99/max of the
+scrape latency (request sent -> body read), the body's size and series count, the scrapes that failed,
+and the tokens the clients received meanwhile. Writes result.json under --out when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpuservd.paths import client_socket_path  # noqa: E402  (after the path: runs from a checkout)
+
+
+def _client(args) -> httpx.Client:
+    headers = {}
+    if args.token_file:
+        headers["Authorization"] = f"Bearer {Path(args.token_file).read_text().strip()}"
+    if args.url:
+        return httpx.Client(base_url=args.url, headers=headers, timeout=30)
+    sock = args.socket or client_socket_path()
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://gpuserv", headers=headers,
+                        timeout=30)
+
+
+def _serve(args, model: str, stop: threading.Event, tokens: list[int]) -> None:
+    body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "stream": True,
+            "max_tokens": args.max_tokens, "ignore_eos": True}
+    with _client(args) as c:
+        while not stop.is_set():
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        tokens[0] += 1
+
+
+def main() -> int:
+    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a.add_argument("--socket", default=None)
+    a.add_argument("--url", default=None)
+    a.add_argument("--token-file", default=None)
+    a.add_argument("--models", default="")
+    a.add_argument("--rate", type=float, default=20.0)
+    a.add_argument("--seconds", type=float, default=20.0)
+    a.add_argument("--clients", type=int, default=4)
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--out", type=Path, default=None)
+    args = a.parse_args()
+    with _client(args) as c:
+        models = [m for m in args.models.split(",") if m] or [m["id"] for m in c.get("/v1/models").json()["data"]]
+    if not models:
+        print("the daemon serves no model", file=sys.stderr)
+        return 2
+    stop, tokens = threading.Event(), [0]
+    workers = [threading.Thread(target=_serve, args=(args, models[i % len(models)], stop, tokens), daemon=True)
+               for i in range(args.clients)]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)  # the streams are under way before the first scrape
+    latencies, failed, size, series = [], 0, 0, 0
+    with _client(args) as c:
+        period, t_next, end = 1.0 / args.rate, time.monotonic(), time.monotonic() + args.seconds
+        start_tokens = tokens[0]
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            r = c.get("/metrics")
+            latencies.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                failed += 1
+            size = len(r.content)
+            series = sum(1 for line in r.text.splitlines() if line and not line.startswith("#"))
+            t_next += period
+            time.sleep(max(0.0, t_next - time.monotonic()))
+        received = tokens[0] - start_tokens
+    stop.set()
+    ms = sorted(x * 1000 for x in latencies)
+    result = {"models": models, "scrapes": len(ms), "failed": failed, "rate_per_s": args.rate,
+              "p50_ms": round(statistics.median(ms), 3), "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
+              "max_ms": round(ms[-1], 3), "body_bytes": size, "series": series, "clients": args.clients,
+              "tokens_per_s_meanwhile": round(received / args.seconds, 1)}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
