@@ -95,6 +95,13 @@ def test_logit_bias_min_tokens_and_penalties(client):
     pen = chat(client, temperature=0, max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0,
                extra_body={"repetition_penalty": 1.5, "return_token_ids": True}).choices[0].token_ids
     assert len(set(pen)) >= len(set(plain)) and pen != plain
+    # The same through a stream.
+    chunks = chat(client, stream=True, temperature=0, max_tokens=20, logit_bias={str(EOS): 100},
+                  extra_body={"min_tokens": 4})
+    assert chunks[-1].usage.completion_tokens == 5
+    chunks = chat(client, stream=True, temperature=0, max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0,
+                  extra_body={"repetition_penalty": 1.5, "return_token_ids": True})
+    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])] == pen
 
 
 def test_seed_n_and_stream_usage(client):
