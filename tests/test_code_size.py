@@ -14,7 +14,6 @@ _spec.loader.exec_module(check_sizes)
 # Over the limits today and being split in the renovation under way; each entry must still be over
 # (the test fails when one is fixed, so the list only shrinks).
 KNOWN = {
-    ("gpuservd/api/admin_routes.py", "routes"),
     ("gpuservd/engine/engine.py", "file"),
 }
 

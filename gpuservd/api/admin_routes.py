@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,7 +50,13 @@ def _opt(body: dict, key: str, kind, default):
 
 
 def routes(serving: Serving, controller) -> list[Route]:
-    """controller: the daemon (drain_and_exit, reload); see gpuservd.daemon.Daemon."""
+    """Every admin route; controller: the daemon (drain, reload), see gpuservd.daemon.run.Daemon."""
+    return (_probe_routes(serving) + _request_routes(serving) + _model_routes(serving)
+            + _lifecycle_routes(serving, controller) + _event_routes(serving))
+
+
+def _probe_routes(serving: Serving) -> list[Route]:
+    """Liveness, readiness, metrics and status: what probes, scrapers and `gpuserv status` read."""
 
     @endpoint(public=True)
     async def health(request: Request):
@@ -72,6 +79,21 @@ def routes(serving: Serving, controller) -> list[Route]:
     async def status(request: Request):
         return JSONResponse(serving.status())
 
+    @endpoint(public=lambda _request: serving.config.server.metrics_public)
+    async def metrics(request: Request):
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/status", status, methods=["GET"]),
+    ]
+
+
+def _request_routes(serving: Serving) -> list[Route]:
+    """In-flight requests: list and cancel."""
+
     @endpoint()
     async def list_requests(request: Request):
         return JSONResponse({"requests": await serving.requests()})
@@ -83,6 +105,15 @@ def routes(serving: Serving, controller) -> list[Route]:
             raise APIError(404, f"no request {rid} in flight", "invalid_request_error", "request_id",
                            "request_not_found")
         return JSONResponse({"request_id": rid, "cancelled": True})
+
+    return [
+        Route("/admin/requests", list_requests, methods=["GET"]),
+        Route("/admin/requests/{request_id}/cancel", cancel, methods=["POST"]),
+    ]
+
+
+def _model_routes(serving: Serving) -> list[Route]:
+    """Models: load, unload, pin, version weights, prefix-cache reset."""
 
     @endpoint()
     async def load(request: Request):
@@ -98,7 +129,7 @@ def routes(serving: Serving, controller) -> list[Route]:
         if slot.state == "failed":
             raise APIError(500, f"model {name} failed to load: {slot.error}", "server_error", "model",
                            "model_load_failed")
-        return JSONResponse(_asdict(serving.model_status(slot)))
+        return JSONResponse(asdict(serving.model_status(slot)))
 
     @endpoint()
     async def unload(request: Request):
@@ -128,6 +159,18 @@ def routes(serving: Serving, controller) -> list[Route]:
         serving.bus.publish(Versions(**result))
         return JSONResponse(result)
 
+    return [
+        Route("/admin/models/{model}/load", load, methods=["POST"]),
+        Route("/admin/models/{model}/unload", unload, methods=["POST"]),
+        Route("/admin/models/{model}/pin", pin, methods=["POST"]),
+        Route("/admin/models/{model}/versions", versions, methods=["POST"]),
+        Route("/admin/models/{model}/prefix_cache/reset", prefix_cache_reset, methods=["POST"]),
+    ]
+
+
+def _lifecycle_routes(serving: Serving, controller) -> list[Route]:
+    """Drain, resume and reload: the daemon's own lifecycle (controller)."""
+
     @endpoint()
     async def drain(request: Request):
         body = await _json_body(request)
@@ -144,6 +187,16 @@ def routes(serving: Serving, controller) -> list[Route]:
     @endpoint()
     async def reload(request: Request):
         return JSONResponse(await controller.reload())
+
+    return [
+        Route("/admin/drain", drain, methods=["POST"]),
+        Route("/admin/resume", resume, methods=["POST"]),
+        Route("/admin/reload", reload, methods=["POST"]),
+    ]
+
+
+def _event_routes(serving: Serving) -> list[Route]:
+    """The live event stream (module docstring)."""
 
     @endpoint()
     async def events(request: Request):
@@ -182,30 +235,4 @@ def routes(serving: Serving, controller) -> list[Route]:
                               media_type="text/event-stream" if sse else "application/x-ndjson",
                               headers={"Cache-Control": "no-cache"})
 
-    @endpoint(public=lambda _request: serving.config.server.metrics_public)
-    async def metrics(request: Request):
-        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
-
-    return [
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/admin/status", status, methods=["GET"]),
-        Route("/admin/requests", list_requests, methods=["GET"]),
-        Route("/admin/requests/{request_id}/cancel", cancel, methods=["POST"]),
-        Route("/admin/models/{model}/load", load, methods=["POST"]),
-        Route("/admin/models/{model}/unload", unload, methods=["POST"]),
-        Route("/admin/models/{model}/pin", pin, methods=["POST"]),
-        Route("/admin/models/{model}/versions", versions, methods=["POST"]),
-        Route("/admin/models/{model}/prefix_cache/reset", prefix_cache_reset, methods=["POST"]),
-        Route("/admin/drain", drain, methods=["POST"]),
-        Route("/admin/resume", resume, methods=["POST"]),
-        Route("/admin/reload", reload, methods=["POST"]),
-        Route("/admin/events", events, methods=["GET"]),
-    ]
-
-
-def _asdict(obj) -> dict:
-    from dataclasses import asdict
-
-    return asdict(obj)
+    return [Route("/admin/events", events, methods=["GET"])]
