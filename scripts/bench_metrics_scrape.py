@@ -8,7 +8,9 @@
 --clients streaming completions run back to back, spread over --models (default: every model the daemon
 lists), while one scraper GETs /metrics --rate times a second for --seconds. Reports P50/P99/max of the
 scrape latency (request sent -> body read), the body's size and series count, the scrapes that failed,
-and the tokens the clients received meanwhile. Writes result.json under --out when given.
+and the tokens the clients received meanwhile. Each scrape is followed by a GET /health, timed the same
+way: the HTTP round trip without the rendering, i.e. what the machine and the event loop cost by
+themselves. Writes result.json under --out when given.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def main() -> int:
     for w in workers:
         w.start()
     time.sleep(1.0)  # the streams are under way before the first scrape
-    latencies, failed, size, series = [], 0, 0, 0
+    latencies, health, failed, size, series = [], [], 0, 0, 0
     with _client(args) as c:
         period, t_next, end = 1.0 / args.rate, time.monotonic(), time.monotonic() + args.seconds
         start_tokens = tokens[0]
@@ -86,14 +88,22 @@ def main() -> int:
                 failed += 1
             size = len(r.content)
             series = sum(1 for line in r.text.splitlines() if line and not line.startswith("#"))
+            t0 = time.perf_counter()
+            c.get("/health")
+            health.append(time.perf_counter() - t0)
             t_next += period
             time.sleep(max(0.0, t_next - time.monotonic()))
         received = tokens[0] - start_tokens
     stop.set()
-    ms = sorted(x * 1000 for x in latencies)
+    ms, hs = sorted(x * 1000 for x in latencies), sorted(x * 1000 for x in health)
+
+    def p99(xs):
+        return round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3)
+
     result = {"models": models, "scrapes": len(ms), "failed": failed, "rate_per_s": args.rate,
-              "p50_ms": round(statistics.median(ms), 3), "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
-              "max_ms": round(ms[-1], 3), "body_bytes": size, "series": series, "clients": args.clients,
+              "p50_ms": round(statistics.median(ms), 3), "p99_ms": p99(ms), "max_ms": round(ms[-1], 3),
+              "health_p50_ms": round(statistics.median(hs), 3), "health_p99_ms": p99(hs),
+              "body_bytes": size, "series": series, "clients": args.clients,
               "tokens_per_s_meanwhile": round(received / args.seconds, 1)}
     print(json.dumps(result, indent=2))
     if args.out:

@@ -167,6 +167,7 @@ def test_both_daemons_serve_and_none_fails(fleet, router):
         results = list(pool.map(lambda p: complete(client, p), prompts))
     assert len(results) == 40  # each one checked its usage: 0 failures
     shares = [served(d) - b for d, b in zip(fleet, before)]
+    print(f"40 requests through the router: {shares} per daemon, 0 failures")
     assert sum(shares) == 40, shares
     assert min(shares) >= 0.3 * 40, f"one daemon took too little of the traffic: {shares}"
 
@@ -210,6 +211,7 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_daemon(fleet, router_exe, tmp_
             assert sorted(got) == [0, 8], f"group {name} was split across the daemons: {got}"
             home = got.index(8)
             gained = prefix_hits(fleet[home]) - hits[home]
+            print(f"cache_aware: group {name} -> daemon {home} for all 8, {gained} prompt tokens hit its prefix cache")
             assert gained >= 7 * 16, f"group {name}: the daemon that served it hit only {gained} cached tokens"
 
 
@@ -238,6 +240,8 @@ def test_a_daemon_killed_mid_traffic_fails_over_or_fails_fast(fleet, router):
         outcomes = [f.result() for f in futures]
     victim.proc.wait(10)
     kinds = [k for k, _ in outcomes]
+    print(f"killed mid-traffic: {kinds.count('ok')} ok, others {[k for k in kinds if k != 'ok']}, "
+          f"slowest {max(t for _, t in outcomes):.1f} s")
     assert "hung" not in kinds, outcomes
     failed = [k for k in kinds if k != "ok"]
     assert len(failed) <= 4, f"more failures than requests in flight at the kill: {outcomes}"
