@@ -116,10 +116,11 @@ class ModelRunner:
             return "eager: the Triton kernels are not available, and graphs need them"
         self.enable_decode_step(cfg.batch_sizes)
         self.decode_step.graphs = cuda_graphs.DecodeGraphs(self.decode_step)
+        self._decode_reason = "CUDA graphs"
         gate = self.weights.gate
         if gate is None or gate.num_ready == self.arch.num_layers:
-            self.capture_graphs()
-        return "CUDA graphs"
+            self.capture_graphs()  # a failure sets the reason
+        return self._decode_reason
 
     def enable_decode_step(self, batch_sizes) -> DecodeStep:
         """Run decode-only steps through the fixed-shape step (eagerly until graphs are captured)."""
