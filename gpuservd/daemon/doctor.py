@@ -24,9 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpuservd.api.client import Client, DaemonError, DaemonUnavailable
-from gpuservd.serving.daemon_config import load_daemon_config
 from gpuservd.errors import UserError
+from gpuservd.gpu.backends import choose_backend
 from gpuservd.paths import client_socket_path, models_root
+from gpuservd.serving.daemon_config import load_daemon_config
 
 GIB = 1 << 30
 LEVELS = {"ok": 0, "info": 0, "skip": 0, "warn": 1, "critical": 2}
@@ -117,8 +118,7 @@ def check_green_contexts(torch) -> Check:
 
 def check_sharing(sharing, device: str, choose=None) -> Check:
     """What the daemon will enforce between models with this config (the SM partition backend it will pick)."""
-    if choose is None:
-        from gpuservd.gpu.backends import choose_backend as choose
+    choose = choose or choose_backend
     try:
         backend = choose(sharing.backend, device)
     except UserError as exc:  # asked for a backend this box does not have: the daemon will not start

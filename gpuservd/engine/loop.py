@@ -34,10 +34,9 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
-
 from gpuservd.engine.calls import EngineFacts
 from gpuservd.errors import UserError
+from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
 
 log = logging.getLogger("gpuservd.engine.loop")
 
@@ -361,8 +360,6 @@ class EngineLoop:
                 self.engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params, priority=sub.priority,
                                         tenant=sub.tenant, arrival_time=sub.arrival_time)
             except Exception as exc:  # UserError: a bad request; anything else is ours
-                from gpuservd.errors import UserError
-
                 internal = not isinstance(exc, UserError)
                 error_id = self._log_internal(exc, sub.request_id) if internal else ""
                 deliveries.append((sub.sink, Failed(sub.request_id, exc, internal, error_id)))
