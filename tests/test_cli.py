@@ -23,6 +23,29 @@ def test_generate_local_streams_a_reply(store_home, capsys):
     assert code == 0 and out.strip() != "" and "finish: length" in err
 
 
+def test_generate_local_holds_the_kv_its_one_request_needs(store_home, capsys, monkeypatch, tmp_path):
+    """A one-shot run sizes its KV pool to its prompt plus max_tokens, not the daemon's share of the
+    device budget; a kv_cache_bytes in the config still wins."""
+    from gpuservd.cli import main as cli_main
+
+    seen = []
+    real = cli_main._print_stream
+    monkeypatch.setattr(cli_main, "_print_stream", lambda engine, rid, ids, *rest: (
+        seen.append((engine, len(ids))), real(engine, rid, ids, *rest))[1])
+    assert invoke("generate", "--local", "-m", "tiny", "-n", "9", "--raw", "the capital of france") == 0
+    engine, n = seen[-1]
+    bs = engine.config.block_size
+    assert engine.pool.num_blocks == -(-(n + 9) // bs)  # exactly the blocks its prompt and 9 tokens fill
+    assert engine.runner.cache.bytes == engine.pool.num_blocks * engine.runner.cache.shape.bytes_per_block
+    assert "finish: length" in capsys.readouterr().err
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("engine:\n  kv_cache_bytes: 1MiB\n")
+    assert invoke("generate", "--local", "-m", "tiny", "-n", "9", "-c", str(cfg), "--raw", "hi") == 0
+    engine = seen[-1][0]
+    assert engine.runner.cache.bytes == (1 << 20) // engine.runner.cache.shape.bytes_per_block \
+        * engine.runner.cache.shape.bytes_per_block
+
+
 def test_generate_raw_and_seeded_sampling_is_reproducible(store_home, capsys):
     def sample(seed: str) -> str:
         code = invoke("generate", "--local", "-m", "tiny", "-n", "8", "--raw", "-t", "0.9", "--seed", seed,

@@ -431,8 +431,20 @@ def test_cli_ls_import_show_rm(store, tiny_src):
     assert listed[0]["name"] == "tiny" and listed[0]["num_parameters"] == params
     shown = json.loads(runner.invoke(app, ["show", "tiny", "--json"]).output)
     assert shown["check"] == "ok" and shown["num_layers"] == 2
+    assert shown["int8"] == {"file": None, "agreement": None}  # no INT8 file until the first int8 use
     result = runner.invoke(app, ["show", "tiny"])
     assert "LlamaForCausalLM" in result.output and "check" in result.output
+    assert "--int8-agreement" in result.output
+    # measured on request (the INT8 file is made for it), stored, and shown from then on
+    cfg = store.root.parent / "fp32.yaml"
+    cfg.write_text("engine:\n  dtype: float32\n  block_size: 4\n  kv_cache_bytes: 4MiB\n")
+    shown = json.loads(runner.invoke(app, ["show", "tiny", "--json", "--int8-agreement", "-c", str(cfg)]).output)
+    a = shown["int8"]["agreement"]
+    assert shown["int8"]["format"] == "2" and shown["int8"]["current"] and a["dtype"] == "float32"
+    assert 0.9 <= a["teacher_forced_top1"] <= 1 and a["free_running"]["replies"] == 8
+    result = runner.invoke(app, ["show", "tiny"])
+    assert f"teacher-forced top-1 {100 * a['teacher_forced_top1']:.2f}%" in result.output
+    assert f"free-running {a['free_running']['identical']}/8 replies" in result.output
     result = runner.invoke(app, ["rm", "tiny"])
     assert result.exit_code == 0 and store.names() == []
     # UserErrors reach the main CLI (which prints one line, exit 2) unchanged.

@@ -79,12 +79,25 @@ def test_host_copy_fp32_is_exact_and_int8_is_a_quarter(tiny_model_dir, reference
     assert not torch.equal(expanded, full_w)  # and that is not the fp32 original
 
 
-def test_quantize_int8_per_row_error_bound():
-    w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]  # rows of very different scale
+def _group_expand(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    """A [rows, groups] scale repeated over its group's columns: [rows, cols] (the test's own expansion)."""
+    return scale.to(torch.float32).repeat_interleave(group, dim=1)[:, :cols]
+
+
+@pytest.mark.parametrize("cols", [128, 150])  # whole groups, and a last group of 22 columns
+def test_quantize_int8_error_is_bounded_by_each_groups_own_range(cols):
+    g = torch.Generator().manual_seed(0)
+    # rows and column blocks of very different scale: one large column per row would set a per-row step
+    w = torch.randn(64, cols, generator=g) * torch.linspace(0.01, 3.0, 64)[:, None]
+    w[:, 5] *= 40.0
     qt = quantize_int8(w)
-    err = (qt.dequantize() - w).abs().amax(dim=1)
-    assert torch.all(err <= qt.scale / 2 + 1e-7)  # half a step per row, whatever the row's range
-    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * 48 + 64 * 4
+    assert qt.group_size == 64 and qt.scale.dtype == torch.float16 and qt.scale.shape == (64, -(-cols // 64))
+    step = _group_expand(qt.scale, 64, cols)
+    err = (qt.dequantize() - w).abs()
+    assert torch.all(err <= step / 2 + 1e-6)  # half a step of the weight's own group
+    # the groups without the large column keep a step 40x finer than one scale per row would give
+    assert float(step[:, 64:].amax()) < float(w.abs().amax(dim=1).max()) / 127 / 10
+    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * cols + qt.scale.numel() * 2
 
 
 def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
@@ -107,11 +120,12 @@ def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_expands_straight_into_the_compute_dtype(dtype):
     """One pass (q * s computed in fp32, rounded once) gives the three-pass result bit for bit."""
-    from gpuservd.weights.quant import quantize_int8
 
-    qt = quantize_int8(torch.randn(96, 40, generator=torch.Generator().manual_seed(1)))
-    got = qt.dequantize(dtype)
-    assert got.dtype == dtype and torch.equal(got, (qt.q.to(torch.float32) * qt.scale[:, None]).to(dtype))
+    for cols in (128, 40):  # whole groups, and one short group
+        qt = quantize_int8(torch.randn(96, cols, generator=torch.Generator().manual_seed(1)))
+        got = qt.dequantize(dtype)
+        want = (qt.q.to(torch.float32) * _group_expand(qt.scale, qt.group_size, cols)).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_tensor_ranges_point_at_each_tensors_bytes(tmp_path):
@@ -169,3 +183,53 @@ def test_layers_are_read_ahead_of_the_loader(tiny_model_dir, tmp_path):
             ahead = layer + READ_AHEAD_LAYERS
             if ahead in first_get:
                 assert min(asked[n] for n in reader.names() if n.startswith(f"model.layers.{ahead}.")) < i
+
+
+def _old_per_row_file(model_dir) -> None:
+    """An INT8 file as gpuservs before the group-wise format wrote it: one fp32 scale per row, no marker."""
+    from safetensors.torch import save_file
+
+    reader = SafetensorsReader(model_dir)
+    tensors = {}
+    for name in reader.names():
+        t = reader.get(name)
+        if t.dim() == 2:
+            scale = t.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            tensors[name + ".q"] = torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            tensors[name + ".scale"] = scale
+        else:
+            tensors[name] = t
+    int8_path(model_dir).parent.mkdir(exist_ok=True)
+    save_file(tensors, str(int8_path(model_dir)), metadata={"format": "pt", "gpuserv": "int8-per-row-symmetric"})
+
+
+def test_an_int8_file_of_the_old_format_is_made_again_never_misread(tiny_model_dir, tmp_path):
+    import shutil
+
+    from gpuservd.weights.int8_file import FORMAT, Int8Stale, ensure_int8, int8_format, read_agreement, \
+        write_agreement
+    from gpuservd.weights.sources import store_source
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    _old_per_row_file(d)
+    write_agreement(d, {"teacher_forced_top1": 0.5})
+    with pytest.raises(Int8Stale, match="format 1 .per-row., this gpuserv reads format 2"):
+        Int8Reader(int8_path(d))  # its [out] scales would broadcast wrongly over groups: refused, not read
+    # the daemon's store source makes it again, in the current format, and reads that
+    source, tier, nbytes = store_source(d, "int8")
+    assert tier == "disk-int8" and int8_format(int8_path(d)) == FORMAT == "2"
+    assert read_agreement(d) is None  # measured on the old file: not this file's numbers
+    fresh = tmp_path / "fresh"
+    shutil.copytree(tiny_model_dir, fresh)
+    Int8Reader(write_int8(SafetensorsReader(fresh), fresh))
+    for name in source.names():
+        assert torch.equal(source.get(name), Int8Reader(int8_path(fresh)).get(name))
+    # a file that is not safetensors at all is made again too
+    int8_path(d).write_bytes(b"torn")
+    assert int8_format(ensure_int8(SafetensorsReader(d), d)) == FORMAT
+    # a current file is left alone, and its stored numbers are its own until it changes
+    before = int8_path(d).stat().st_mtime_ns
+    write_agreement(d, {"teacher_forced_top1": 0.97})
+    assert ensure_int8(SafetensorsReader(d), d) == int8_path(d) and int8_path(d).stat().st_mtime_ns == before
+    assert read_agreement(d)["teacher_forced_top1"] == 0.97

@@ -30,6 +30,8 @@ class ModelStatus:
     num_layers: int = 0
     layers_ready: int = 0  # a layered load serves before this reaches num_layers
     source_tier: str = ""  # where its weights were loaded from: host | disk | disk-int8
+    compression: str = "none"  # what its host and disk tiers hold: none | int8
+    compression_refused: str | None = None  # why int8 was refused for it (its agreement numbers)
     sharing_class: str = "best_effort"  # latency_critical | best_effort (sharing.models)
     sharing_group: str = ""  # its SM group; "device" when the whole device is time-sliced
     num_sms: int | None = None  # SMs of its partition (an enforcing backend only)

@@ -23,13 +23,13 @@ import torch
 from gpuservd.bench.output import write_result
 from gpuservd.bench.random_model import RANDOM_MODELS, ensure_random_llama
 from gpuservd.config import EngineConfig
+from gpuservd.engine.agreement import measure_int8, summary_line
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
-from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.load import SafetensorsReader
 from gpuservd.runner.model_config import load_arch
 from gpuservd.store.store import ModelStore
-from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+from gpuservd.weights.int8_file import Int8Reader, ensure_int8, int8_path
 
 STRATEGIES = ("full", "layered", "layered+int8")
 
@@ -64,43 +64,15 @@ def _ttft(engine, prompt: list[int]) -> float:
                 return time.perf_counter()
 
 
-QUALITY_TEXTS = [
-    "The capital of France is", "Write a haiku about the sea.", "Explain what a hash table is in one sentence.",
-    "List three prime numbers:", "The quick brown fox", "How do I boil an egg?",
-    "Translate 'good morning' into Spanish.", "Once upon a time, in a small village,",
-]
-
-
-def _quality_prompts(model_dir: Path, vocab: int) -> list[list[int]]:
-    """Natural-language prompts through the model's own tokenizer (random ids when it has none)."""
-    try:
-        from gpuservd.engine.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(model_dir)
-        return [tok.encode(t) for t in QUALITY_TEXTS]
-    except Exception:
-        return [[3 + (100 + i * 13 + j * 31) % (vocab - 3) for i in range(48)] for j in range(8)]
-
-
-def int8_quality(model: str, model_dir: Path, cfg, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Greedy agreement and max |logit difference| of the INT8 weights against fp32."""
-    ref = LLMEngine(model, model_dir, cfg)
-    q8 = LLMEngine(model, model_dir, cfg, weight_source=Int8Reader(int8_path(model_dir)))
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-    a, b = ref.generate(prompts, params), q8.generate(prompts, params)
-    same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
-    prefix = sum(next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta)) for ta, tb in zip(a, b))
-    diffs = []
-    for p in prompts:
-        blocks = list(range(-(-len(p) // cfg.block_size)))
-        la = ref.runner.execute([SeqChunk(p, 0, blocks, True)])
-        lb = q8.runner.execute([SeqChunk(p, 0, blocks, True)])
-        diffs.append(float((la - lb).abs().max()))
-        scale = float(la.abs().max())
-    total = sum(len(t) for t in a)
-    return {"prompts": len(prompts), "new_tokens": new_tokens, "greedy_token_agreement": same / total,
-            "greedy_identical_prefix_share": prefix / total, "max_logit_diff": max(diffs),
-            "logit_scale": scale, "outputs_fp32": a, "outputs_int8": b, "torch": torch.__version__}
+def int8_agreement(model: str, model_dir: Path, cfg) -> dict:
+    """Teacher-forced and free-running agreement of the INT8 weights with full precision (engine/agreement.py),
+    stored beside the INT8 file for `gpuserv models show` and the daemon's int8 check."""
+    q = measure_int8(model, model_dir, cfg)
+    q["group_size"] = Int8Reader(int8_path(model_dir)).group_size
+    # the names this result had before the agreement measures (free-running token shares)
+    q["greedy_token_agreement"] = q["free_running"]["token_agreement"]
+    q["greedy_identical_prefix_share"] = q["free_running"]["identical_prefix_share"]
+    return q
 
 
 def read_floor_s(paths) -> float:
@@ -130,9 +102,7 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
     cfg.validate()
     cfg.scheduler.max_prefill_tokens = max(cfg.scheduler.max_prefill_tokens, prompt_tokens)
     cfg.scheduler.max_num_batched_tokens = max(cfg.scheduler.max_num_batched_tokens, prompt_tokens)
-    if not int8_path(model_dir).exists():
-        log("writing the INT8 copy into the store (once)")
-        write_int8(SafetensorsReader(model_dir), model_dir)
+    ensure_int8(SafetensorsReader(model_dir), model_dir)  # written once; an older format is made again
     files = sorted(str(p) for p in model_dir.glob("*.safetensors")) + [str(int8_path(model_dir))]
 
     vocab = load_arch(model_dir).vocab_size
@@ -174,8 +144,9 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
     for s in STRATEGIES:
         summary[s]["speedup_vs_full"] = full / summary[s]["ttft_s"]
         summary[s]["read_floor_s"] = statistics.median(floors["int8" if s.endswith("int8") else "full"])
-    log("quality of the INT8 weights")
-    quality = int8_quality(model, model_dir, cfg, _quality_prompts(model_dir, vocab), 32)
+    log("agreement of the INT8 weights with full precision")
+    quality = int8_agreement(model, model_dir, cfg)
+    log(f"  {summary_line(quality)}")
 
     result = {"model": model, "device": device, "device_name": _device_name(device), "dtype": cfg.dtype,
               "dtype_reason": cfg.dtype_reason,
@@ -206,10 +177,9 @@ def markdown(r: dict) -> str:
         lines.append(f"| {s} | {v['ttft_s']:.2f} | {v['engine_ready_s']:.2f} | {v['all_layers_s']:.2f} | "
                      f"{v['bytes_read'] / 1e6:.0f} | {floor} | {v['speedup_vs_full']:.2f}x |")
     q = r["int8_quality"]
-    lines += ["", f"INT8 against the uncompressed weights ({r.get('dtype', 'float32')}) over {q['prompts']} prompts x {q['new_tokens']} greedy tokens: "
-                  f"{100 * q['greedy_token_agreement']:.1f}% of tokens agree, "
-                  f"{100 * q['greedy_identical_prefix_share']:.1f}% before the first divergence; "
-                  f"max logit difference {q['max_logit_diff']:.3f} (logits up to {q['logit_scale']:.1f}).",
+    lines += ["", f"INT8 (a scale per {q.get('group_size', '?')} input columns) against full precision: "
+                  f"{summary_line(q)}; {100 * q['free_running']['identical_prefix_share']:.1f}% of reply tokens "
+                  "before the first divergence.",
               "", f"{r['date']}, {r['threads']} threads; {r['method']}.", ""]
     return "\n".join(lines)
 

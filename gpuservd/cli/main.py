@@ -90,6 +90,28 @@ def _engine(model: str, config: Optional[Path]):
     return LLMEngine.from_store(model, cfg)
 
 
+def _one_shot_engine(model: str, config: Optional[Path], encode, max_tokens: int):
+    """(engine, prompt ids) for one request: unless the config sets engine.kv_cache_bytes, the KV pool holds
+    what this request needs (its prompt plus max_tokens), not the daemon's share of the device budget
+    (2.4 GB for a 135M model)."""
+    from gpuservd.engine.engine import LLMEngine  # the engine (torch) only for --local
+    from gpuservd.engine.tokenizer import load_tokenizer
+    from gpuservd.kv_cache.cache import cache_shape
+    from gpuservd.runner.model_config import load_arch
+    from gpuservd.runner.model_runner import DTYPES
+    from gpuservd.store.store import ModelStore
+
+    cfg = load_config(config)
+    cfg.model = model
+    info = ModelStore().check(model)  # names the exact missing or damaged file before any load
+    tokenizer = load_tokenizer(info.path)
+    ids = encode(tokenizer)
+    if cfg.kv_cache_bytes is None:
+        shape = cache_shape(load_arch(info.path), cfg.block_size, DTYPES[cfg.dtype])
+        cfg.kv_cache_bytes = -(-(len(ids) + max_tokens) // cfg.block_size) * shape.bytes_per_block
+    return LLMEngine(model, info.path, cfg, tokenizer=tokenizer), ids
+
+
 def _print_stream(engine, request_id, ids, params, logprobs: list | None = None) -> object:
     """Stream one request's text to stdout; its sampler.TokenLogprobs go into `logprobs` when given."""
     last = None
@@ -131,9 +153,12 @@ def generate(
     from gpuservd.engine.tokenizer import encode_chat, encode_raw  # the engine (torch) only for --local
 
     params = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, schema, logprobs)
-    engine = _engine(model, config)
+
+    def encode(tok):
+        return encode_raw(tok, prompt) if raw else encode_chat(tok, [{"role": "user", "content": prompt}])
+
+    engine, ids = _one_shot_engine(model, config, encode, max_tokens)
     tok = engine.tokenizer
-    ids = encode_raw(tok, prompt) if raw else encode_chat(tok, [{"role": "user", "content": prompt}])
     entries: list = []
     last = _print_stream(engine, "generate-0", ids, params, entries)
     if logprobs is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -132,12 +133,49 @@ def rm(name: str = typer.Argument(..., help="The model to delete.")) -> None:
     _console().print(f"removed {name} ({path})", markup=False)
 
 
+def int8_section(model_dir: Path, name: str, measure: bool, config: Path | None) -> dict:
+    """The model's INT8 file and how well it keeps the model's answers (stored by the last measurement;
+    measured now with --int8-agreement). torch loads only here: `gpuserv --help` stays light."""
+    from gpuservd.weights.int8_file import FORMAT, int8_format, int8_path, read_agreement
+
+    if measure:
+        from gpuservd.config import load_config
+        from gpuservd.engine.agreement import measure_int8
+
+        measure_int8(name, model_dir, load_config(config))
+    path = int8_path(model_dir)
+    if not path.exists():
+        return {"file": None, "agreement": None}
+    try:
+        fmt = int8_format(path)
+    except Exception as exc:
+        fmt = f"unreadable ({exc})"
+    current = fmt == FORMAT
+    return {"file": str(path), "bytes": path.stat().st_size, "format": fmt or "1 (per-row)", "current": current,
+            "agreement": read_agreement(model_dir) if current else None}
+
+
+def _int8_line(sec: dict, name: str) -> str:
+    if sec["file"] is None:
+        return f"none yet (written on the first int8 load; measure with gpuserv models show {name} --int8-agreement)"
+    head = f"{format_bytes(sec['bytes'])}, format {sec['format']}" + ("" if sec["current"] else " (remade on next use)")
+    a = sec["agreement"]
+    if a is None:
+        return f"{head}; agreement not measured (gpuserv models show {name} --int8-agreement)"
+    from gpuservd.engine.agreement import summary_line
+
+    return f"{head}; {summary_line(a)}"
+
+
 @app.command("show")
 def show(
     name: str = typer.Argument(..., help="The model to describe."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    int8_agreement: bool = typer.Option(False, "--int8-agreement",
+                                        help="Measure the INT8 weights against full precision now (and store it)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Engine config for the measurement (dtype)."),
 ) -> None:
-    """Show one model's metadata and whether its files are sound."""
+    """Show one model's metadata, whether its files are sound, and how well its INT8 weights keep its answers."""
     store = ModelStore()
     info = store.entry(name)
     try:
@@ -147,6 +185,7 @@ def show(
         status = f"DAMAGED: {exc}"
     data = info_to_dict(info)
     data["check"] = status
+    data["int8"] = int8_section(info.path, name, int8_agreement, config)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -154,6 +193,7 @@ def show(
     data["num_parameters"] = f"{info.num_parameters} ({format_count(info.num_parameters)})"
     data["bytes_on_disk"] = f"{info.bytes_on_disk} ({format_bytes(info.bytes_on_disk)})"
     data.pop("error")
+    data["int8"] = _int8_line(data["int8"], name)
     width = max(len(k) for k in data)
     for key, value in data.items():
         console.print(f"{key:<{width}}  {value}", markup=False)

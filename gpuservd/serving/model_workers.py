@@ -39,7 +39,7 @@ def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_laye
         wcfg.device = "cuda:0"
     slot.num_layers = load_arch(model_dir).num_layers
     cc, srv = models.config.cache, models.config.server
-    spec = WorkerSpec(slot.name, str(model_dir), str(model_dir), wcfg, cc.compression,
+    spec = WorkerSpec(slot.name, str(model_dir), str(model_dir), wcfg, models.sources.compression_for(slot.name),
                       cc.initial_layers if cc.load_strategy == "layered" else None, models.quotas,
                       srv.admission_window_ms / 1000, srv.log_level)
     return WorkerLoop(slot.name, spec, asyncio.get_running_loop(), models.on_post, models.metrics, env, on_layer,

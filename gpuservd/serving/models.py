@@ -31,6 +31,7 @@ from typing import Awaitable, Callable
 from gpuservd.api.status import ModelStatus
 from gpuservd.config import torch_device
 from gpuservd.serving.daemon_config import DaemonConfig
+from gpuservd.engine.agreement import int8_verdict
 from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.engine.calls import EngineFacts, request_views, reset_prefix_cache, set_tenant_quotas
 from gpuservd.engine.loop import AnyEngineLoop, EngineLoop
@@ -202,6 +203,8 @@ class Models:
         try:
             base, config_dir = self.sources.variant_dirs(name, model_dir)  # a variant runs on its base's config
             slot.base = base
+            if base is None and self.sources.wants_int8(name):
+                await asyncio.to_thread(self._check_int8, name, model_dir, cfg)
             self.cache.claim(name)  # weights held for its variants stay while its engine is built
             slot.device = await self._make_room(name)  # the device it goes to
             if cfg.devices:  # several devices; with one, engine.device applies (reload too)
@@ -245,6 +248,17 @@ class Models:
         if self.config.cache.host_bytes and not base and self.cache.residency(name)["host"] == 0:
             asyncio.ensure_future(asyncio.to_thread(self.sources.keep_host_copy, name, model_dir))
         return slot
+
+    def _check_int8(self, name: str, model_dir: Path, cfg) -> None:
+        """int8 only for a model whose INT8 weights keep its answers (engine/agreement.py): otherwise it is
+        refused, with the numbers, and the model is served at full precision."""
+        try:
+            why = int8_verdict(name, model_dir, cfg, self.config.cache.int8_min_agreement)
+        except Exception as exc:  # the full-precision weights still serve
+            why = f"int8 refused for {name}: its agreement could not be measured ({exc})"
+        self.sources.refuse_int8(name, why)
+        if why is not None:
+            log.warning("%s", why)
 
     def _layer_reporter(self, slot: ModelSlot) -> Callable[[int, float], None]:
         """on_layer for a layered load: called on the engine thread as each layer lands."""
@@ -414,7 +428,8 @@ class Models:
             preemption=snap.preemption if snap else None, decode=snap.decode if snap else None,
             prefix_cache=snap.prefix_cache if snap else None, tiers=self.cache.residency(slot.name),
             weights_bytes=slot.weights_bytes, num_layers=slot.num_layers, layers_ready=slot.layers_ready,
-            source_tier=slot.source_tier, **self.sharing.model_fields(slot.name))
+            source_tier=slot.source_tier, compression=self.sources.compression_for(slot.name),
+            compression_refused=self.sources.refused.get(slot.name), **self.sharing.model_fields(slot.name))
 
     def status_sections(self) -> dict:
         """The model side of /admin/status: device readings, partitions, quotas, versions, weight cache."""

@@ -255,13 +255,13 @@ class WeightCache:
                 self.device[model].pinned = pinned
 
     # -- the host tier ----------------------------------------------------
-    def keep_host_copy(self, model: str, reader) -> HostCopy | None:
+    def keep_host_copy(self, model: str, reader, compression: str | None = None) -> HostCopy | None:
         """Build and keep a host copy of `model` from `reader`, evicting least recently used copies
         to fit; None when it would not fit in host_bytes at all (the disk tier serves it)."""
         with self._lock:
             if model in self.host:
                 return self.host[model]
-        copy = HostCopy.from_reader(model, reader, compression=self.config.compression)
+        copy = HostCopy.from_reader(model, reader, compression=compression or self.config.compression)
         with self._lock:
             if copy.nbytes > self.config.host_bytes:
                 return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuservd.errors import UserError
 
@@ -19,6 +19,9 @@ class CacheConfig:
     load_strategy: str = "full"  # full | layered
     initial_layers: int = 8  # layered: serve once these many layers are in
     compression: str = "none"  # none | int8: what the host and disk tiers hold
+    compression_models: dict = field(default_factory=dict)  # per model: {name: none | int8}, over `compression`
+    int8_min_agreement: float = 0.99  # int8 is refused for a model whose INT8 weights' teacher-forced top-1
+    # agreement with full precision is under this (measured once, stored beside the INT8 file); 0 = no check
     load_on_demand: bool = True  # a request for a store model that is not loaded loads it
     load_timeout_s: float = 300.0  # a request waits this long for its model's load
     hit_rate_alert: float = 0.9  # below this device-tier hit rate an event suggests a bigger cache
@@ -32,6 +35,14 @@ class CacheConfig:
             raise UserError(f"cache.load_strategy must be full or layered, got {self.load_strategy!r}")
         if self.compression not in ("none", "int8"):
             raise UserError(f"cache.compression must be none or int8, got {self.compression!r}")
+        if not isinstance(self.compression_models, dict):
+            raise UserError(f"cache.compression_models must be a mapping {{model: none | int8}}, "
+                            f"got {self.compression_models!r}")
+        for name, value in self.compression_models.items():
+            if value not in ("none", "int8"):
+                raise UserError(f"cache.compression_models.{name} must be none or int8, got {value!r}")
+        if not 0.0 <= self.int8_min_agreement <= 1.0:
+            raise UserError(f"cache.int8_min_agreement must be in [0, 1], got {self.int8_min_agreement}")
         if self.cache_size < 1 or self.initial_layers < 1:
             raise UserError("cache.cache_size and cache.initial_layers must be >= 1")
         if self.host_bytes < 0 or (self.device_bytes is not None and self.device_bytes < 1):

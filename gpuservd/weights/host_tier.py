@@ -34,7 +34,7 @@ class HostCopy:
             if compression == "int8" and quantizable(name, t):
                 q = quantize_int8(t)
                 if pin:
-                    q = QTensor(q.q.pin_memory(), q.scale.pin_memory())
+                    q = QTensor(q.q.pin_memory(), q.scale.pin_memory(), q.group_size)
                 tensors[name] = q
             else:
                 t = t.contiguous()

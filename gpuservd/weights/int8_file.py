@@ -1,14 +1,25 @@
-"""INT8 weights on disk: a compressed copy of a store model, next to its safetensors (a quarter
-of fp32's bytes to read and to move to the device).
+"""INT8 weights on disk: a compressed copy of a store model, next to its safetensors.
 
 `<model dir>/int8/model.safetensors` holds each matrix as `<name>.q` (int8) and
-`<name>.scale` (fp32, per output row) and every other tensor unchanged. It is
-written once (atomically) and read like the original: `Int8Reader.get(name)`
-returns the tensor expanded to fp32, so the runner loads from it unchanged.
+`<name>.scale` (fp16, one per group of input columns; weights/quant.py) and every
+other tensor unchanged. It is written once (atomically) and read like the
+original: `Int8Reader.get(name)` returns the tensor expanded to fp32, so the
+runner loads from it unchanged; `get_stored` hands the loader the int8 bytes to
+expand on the device.
+
+The file says which format it is (`gpuserv_int8` in the safetensors metadata).
+A file of another format (the per-row one before groups, or anything else) is
+never read as this one: `Int8Reader` refuses it (`Int8Stale`) and `ensure_int8`
+makes it again from the original weights.
+
+`int8/agreement.json` holds how well the INT8 weights keep the model's answers
+(engine/agreement.py measures it), tied to the file it was measured on.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -18,17 +29,32 @@ from safetensors.torch import save_file
 
 from gpuservd.errors import StoreCorrupt
 from gpuservd.store.readahead import FileReadahead
-from gpuservd.weights.quant import QTensor, quantizable, quantize_int8
+from gpuservd.weights.quant import GROUP_SIZE, QTensor, quantizable, quantize_int8
+
+log = logging.getLogger("gpuservd.weights")
 
 SUBDIR = "int8"
 FILE = "model.safetensors"
+AGREEMENT = "agreement.json"
+FORMAT = "2"  # 1 (no marker): one fp32 scale per row; 2: fp16 scales per group of input columns
+SCHEME = "int8-symmetric-groupwise"
+
+
+class Int8Stale(StoreCorrupt):
+    """An INT8 file in another format than this gpuserv writes: make it again, never read it."""
 
 
 def int8_path(model_dir: Path) -> Path:
     return Path(model_dir) / SUBDIR / FILE
 
 
-def write_int8(reader, model_dir: Path) -> Path:
+def int8_format(path: Path) -> str | None:
+    """The format marker of an INT8 file (None: none, the per-row format had no marker)."""
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("gpuserv_int8")
+
+
+def write_int8(reader, model_dir: Path, group_size: int = GROUP_SIZE) -> Path:
     """Quantize every matrix of `reader` into model_dir/int8/ (temp file + rename); returns the path."""
     out = int8_path(model_dir)
     out.parent.mkdir(exist_ok=True)
@@ -36,14 +62,55 @@ def write_int8(reader, model_dir: Path) -> Path:
     for name in reader.names():
         t = reader.get(name)
         if quantizable(name, t):
-            qt = quantize_int8(t)
+            qt = quantize_int8(t, group_size)
             tensors[name + ".q"], tensors[name + ".scale"] = qt.q, qt.scale
         else:
             tensors[name] = t.contiguous()
     tmp = out.with_name(f".{FILE}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "gpuserv": "int8-per-row-symmetric"})
+    save_file(tensors, str(tmp), metadata={"format": "pt", "gpuserv_int8": FORMAT, "scheme": SCHEME,
+                                           "group_size": str(group_size), "scale_dtype": "float16"})
     os.replace(tmp, out)
+    (out.parent / AGREEMENT).unlink(missing_ok=True)  # measured on the file this one replaces
     return out
+
+
+def ensure_int8(reader, model_dir: Path) -> Path:
+    """The model's INT8 file in this gpuserv's format: written when missing, made again when it is of another
+    format (an older gpuserv's) or unreadable; returns its path."""
+    path = int8_path(model_dir)
+    if path.exists():
+        try:
+            found = int8_format(path)
+        except Exception as exc:  # a torn or foreign file: the original weights are still there
+            found = f"unreadable ({exc})"
+        if found == FORMAT:
+            return path
+        log.warning("%s: INT8 weights of format %s, not %s; making them again", path, found or "1 (per-row)", FORMAT)
+    return write_int8(reader, model_dir)
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"format": FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_agreement(model_dir: Path, numbers: dict) -> None:
+    """Store what engine/agreement.py measured on the current INT8 file."""
+    path = int8_path(model_dir)
+    target = path.parent / AGREEMENT
+    tmp = target.with_name(f".{AGREEMENT}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"int8_file": _stamp(path), **numbers}, indent=2))
+    os.replace(tmp, target)
+
+
+def read_agreement(model_dir: Path) -> dict | None:
+    """The stored agreement of the current INT8 file; None when missing or measured on another file."""
+    path = int8_path(model_dir)
+    try:
+        data = json.loads((path.parent / AGREEMENT).read_text())
+        return data if data.get("int8_file") == _stamp(path) else None
+    except (OSError, ValueError):
+        return None
 
 
 class Int8Reader:
@@ -55,6 +122,11 @@ class Int8Reader:
             self._f = safe_open(str(self.path), framework="pt")
         except Exception as exc:
             raise StoreCorrupt(f"{self.path}: unreadable INT8 weights ({exc})") from None
+        meta = self._f.metadata() or {}
+        if meta.get("gpuserv_int8") != FORMAT:
+            raise Int8Stale(f"{self.path}: INT8 weights of format {meta.get('gpuserv_int8') or '1 (per-row)'}, "
+                            f"this gpuserv reads format {FORMAT}; they are made again on the next int8 load")
+        self.group_size = int(meta["group_size"])
         keys = set(self._f.keys())
         self._q = {k[:-2] for k in keys if k.endswith(".q")}
         self._plain = {k for k in keys if not (k.endswith(".q") or k.endswith(".scale"))}
@@ -75,19 +147,18 @@ class Int8Reader:
         key = name + ".q" if name in self._q else name
         return list(self._f.get_slice(key).get_shape())
 
+    def _qtensor(self, name: str) -> QTensor:
+        qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"), self.group_size)
+        self.bytes_read += qt.nbytes
+        return qt
+
     def get_stored(self, name: str):
         """As stored: a QTensor for an INT8 matrix (expanded on the device by the loader), else the tensor."""
-        if name in self._q:
-            qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"))
-            self.bytes_read += qt.nbytes
-            return qt
-        return self.get(name)
+        return self._qtensor(name) if name in self._q else self.get(name)
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._q:
-            qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"))
-            self.bytes_read += qt.nbytes
-            return qt.dequantize(torch.float32)
+            return self._qtensor(name).dequantize(torch.float32)
         if name in self._plain:
             t = self._f.get_tensor(name)
             self.bytes_read += t.numel() * t.element_size()

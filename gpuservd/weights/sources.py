@@ -25,7 +25,7 @@ from gpuservd.store.store import ModelStore
 from gpuservd.store.variant import validate_delta
 from gpuservd.weights.cache import WeightCache
 from gpuservd.weights.delta import SharedSource, VariantSource
-from gpuservd.weights.int8_file import Int8Reader, int8_path, write_int8
+from gpuservd.weights.int8_file import Int8Reader, ensure_int8
 
 log = logging.getLogger("gpuservd.weights")
 
@@ -36,9 +36,7 @@ def store_source(model_dir: Path, compression: str) -> tuple[Any, str, int]:
     model_dir = Path(model_dir)
     reader = SafetensorsReader(model_dir)
     if compression == "int8":
-        path = int8_path(model_dir)
-        if not path.exists():
-            write_int8(reader, model_dir)
+        path = ensure_int8(reader, model_dir)  # written on first use; another format is made again, never read
         return Int8Reader(path), "disk-int8", path.stat().st_size
     return reader, "disk", sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
 
@@ -50,6 +48,22 @@ class WeightSources:
         self.cache = cache
         self.engine = engine  # the daemon's engine settings now (a reload replaces them): dtype sizes the weights
         self.compression = compression  # cache.compression: "int8" reads the store's INT8 file
+        self.refused: dict[str, str] = {}  # model -> why int8 was refused for it (its agreement numbers)
+
+    def wants_int8(self, name: str) -> bool:
+        """int8 asked for this model (cache.compression_models, else cache.compression)."""
+        return self.cache.config.compression_models.get(name, self.compression) == "int8"
+
+    def compression_for(self, name: str) -> str:
+        """What this model's disk and host tiers hold: int8 when asked and not refused, else none."""
+        return "int8" if self.wants_int8(name) and name not in self.refused else "none"
+
+    def refuse_int8(self, name: str, why: str | None) -> None:
+        """Record (or, with None, clear) a refusal of int8 for this model."""
+        if why is None:
+            self.refused.pop(name, None)
+        else:
+            self.refused[name] = why
 
     def base_of(self, name: str) -> str | None:
         """A variant's base model; None for a full model."""
@@ -126,7 +140,7 @@ class WeightSources:
         if host is not None:
             self.cache.bytes_loaded["host"] += host.nbytes
             return host, "host"
-        source, tier, nbytes = store_source(model_dir, self.compression)
+        source, tier, nbytes = store_source(model_dir, self.compression_for(name))
         self.cache.bytes_loaded["disk"] += nbytes
         return source, tier
 
@@ -134,6 +148,6 @@ class WeightSources:
         """Copy a loaded model's weights into the host tier (off the event loop), so that a reload after
         an eviction reads memory, not the disk."""
         try:
-            self.cache.keep_host_copy(name, SafetensorsReader(model_dir))
+            self.cache.keep_host_copy(name, SafetensorsReader(model_dir), self.compression_for(name))
         except Exception as exc:  # the host tier is an optimisation: the disk still serves
             log.warning("model %s: no host copy kept (%s)", name, exc)
