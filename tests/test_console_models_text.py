@@ -39,3 +39,14 @@ def test_weight_cache_and_versions_rendered():
 def test_older_daemon_says_not_reported():
     text = cache_text(FakeState({"models": [{"name": "m"}]}), {"name": "m"})
     assert f"weight cache: {NOT_REPORTED}" in text and f"version / canary: {NOT_REPORTED}" in text
+
+
+def test_keep_alive_says_how_long_an_idle_model_stays_and_when_it_leaves():
+    def text(**m):
+        return cache_text(FakeState({"models": [MODEL]}), {**MODEL, **m})
+
+    assert "keep alive: 300 s idle, then down a tier; leaves in 42 s" in text(keep_alive_s=300.0, unload_in_s=42.2)
+    assert "keep alive: 300 s idle, then down a tier; busy" in text(keep_alive_s=300.0, unload_in_s=None)
+    assert "keep alive: forever (never leaves by itself)" in text(keep_alive_s=-1.0, unload_in_s=None)
+    assert "keep alive: pinned (never leaves by itself)" in text(keep_alive_s=0.0, pinned=True)
+    assert "keep alive" not in cache_text(FakeState({"models": [MODEL]}), MODEL)  # an older daemon: no line

@@ -73,6 +73,17 @@ def versions_text(status: dict, name: str) -> str:
     return "; ".join(parts) or "none (served as itself)"
 
 
+def keep_alive_text(m: dict) -> str:
+    """How long the model stays on the device idle, and when it leaves by itself."""
+    ka = m["keep_alive_s"]
+    if m.get("pinned"):
+        return "pinned (never leaves by itself)"
+    if ka < 0:
+        return "forever (never leaves by itself)"
+    left = m.get("unload_in_s")
+    return f"{ka:g} s idle, then down a tier" + (f"; leaves in {left:.0f} s" if left is not None else "; busy")
+
+
 def cache_text(state, m: dict | None) -> str:
     status = state.status or {}
     if m is None:
@@ -83,6 +94,8 @@ def cache_text(state, m: dict | None) -> str:
                                            for k, v in tiers.items() if v is not None) if tiers
                                  else f"per tier {NOT_REPORTED}"))
     lines.append("bytes: " + (fmt_bytes(m["weights_bytes"]) if m.get("weights_bytes") is not None else NOT_REPORTED))
+    if "keep_alive_s" in m:
+        lines.append("keep alive: " + keep_alive_text(m))
     cache = status.get("weight_cache")
     if cache:
         lines += ["weight cache: " + cache_summary(cache)[0], *cache_summary(cache)[1:]]

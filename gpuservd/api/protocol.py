@@ -84,6 +84,7 @@ class GenerationRequest:
     tools: list[dict] | None = None  # chat: [{"name", "description", "parameters"}]
     tool_choice: Any = "none"  # "none" | "auto" | "required" | {"name": ...}
     chat_template_kwargs: dict = field(default_factory=dict)  # extra variables for the chat template
+    keep_alive: float | None = None  # Ollama's: seconds its model stays loaded idle after it (-1 forever, 0 none)
 
     @property
     def num_choices(self) -> int:
@@ -127,7 +128,7 @@ class GenerationRequest:
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
            "stream", "stream_options", "n", "priority", "ignore_eos", "return_token_ids", "detokenize",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-           "logprobs"} | structured.GUIDED_FIELDS
+           "logprobs", "keep_alive"} | structured.GUIDED_FIELDS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                           "chat_template_kwargs"}
@@ -151,6 +152,24 @@ def _int(body: dict, key: str, lo: int | None = None, default=None, hi: int | No
     if hi is not None and v > hi:
         raise bad_request(f"{key} must be <= {hi}, got {str(v)[:40]}", key)
     return v
+
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _keep_alive(body: dict) -> float | None:
+    """Ollama's keep_alive: seconds as a number, or a duration like "5m", "30s", "1h", "-1" (negative: forever)."""
+    v = body.get("keep_alive")
+    if v is None:
+        return None
+    m = _DURATION.match(v) if isinstance(v, str) else None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if m is None:
+        raise bad_request(f"keep_alive must be seconds or a duration like \"5m\", \"30s\", \"-1\"; got {v!r}",
+                          "keep_alive")
+    return float(m.group(1)) * _DURATION_S[m.group(2)]
 
 
 def _num(body: dict, key: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
@@ -282,6 +301,7 @@ def _common(body: Any, allowed: set[str], kind: str, max_n: int) -> GenerationRe
         min_tokens=_int(body, "min_tokens", 0, 0),
         n=_int(body, "n", 1, 1),
         guided=structured.parse_guided(body),
+        keep_alive=_keep_alive(body),
     )
     if req.n > max_n:
         raise bad_request(f"n must be <= {max_n} (this server's server.max_n), got {req.n}", "n")

@@ -32,6 +32,8 @@ class ModelStatus:
     source_tier: str = ""  # where its weights were loaded from: host | disk | disk-int8
     compression: str = "none"  # what its host and disk tiers hold: none | int8
     compression_refused: str | None = None  # why int8 was refused for it (its agreement numbers)
+    keep_alive_s: float = -1.0  # how long it stays on the device idle (a request's keep_alive, else the config's)
+    unload_in_s: float | None = None  # idle: seconds until it leaves the device by itself (None: it will not)
     sharing_class: str = "best_effort"  # latency_critical | best_effort (sharing.models)
     sharing_group: str = ""  # its SM group; "device" when the whole device is time-sliced
     num_sms: int | None = None  # SMs of its partition (an enforcing backend only)

@@ -253,6 +253,7 @@ class Daemon:
         log.info("ready: %s", self._status_line())
         self._spawn(self._watchdog())
         self._spawn(serving.hints.run(serving))
+        self._spawn(serving.models.keep_alive_loop())  # idle models leave the device after their keep_alive
         self._spawn(self._sample_device())
         if self.demo:
             threading.Thread(target=self._run_demo, daemon=True).start()

@@ -301,6 +301,7 @@ class ModelUnload(Event):
     model: str = ""  # the model it concerns
     device: str | None = None  # the device (cpu, cpu:N, cuda:N)
     num_aborted: int = 0  # its unfinished requests, aborted
+    reason: str = ""  # asked | evicted | keep_alive (idle past its keep_alive) ("" from older daemons)
 
 
 @dataclass(kw_only=True)

@@ -345,7 +345,7 @@ class Models:
                 self.prefetch_stats.wasted += 1
             self.bus.publish(ModelEvict(model=victim, for_model=name, device=plan.device,
                                         to_tier="host" if self.cache.residency(victim)["host"] else "disk"))
-            await self.unload(victim, timeout=0)
+            await self.unload(victim, timeout=0, reason="evicted")
         return plan.device
 
     def device_load(self) -> dict[str, int]:
@@ -365,7 +365,8 @@ class Models:
         return pick_plan(self.cache.plan_options(name, need, busy), resident, self.device_load())
 
     # ---- unload, pin, versions --------------------------------------------------------------------
-    async def unload(self, name: str, timeout: float | None = None, force: bool = False) -> dict:
+    async def unload(self, name: str, timeout: float | None = None, force: bool = False,
+                     reason: str = "asked") -> dict:
         """Stop admitting for the model, let its requests finish (up to timeout), abort the rest, free it."""
         slot = self.slot(name)
         if slot.pinned and not force:
@@ -383,9 +384,35 @@ class Models:
             self.metrics.remove_model(name)
         self.sharing.detach(name)
         self.cache.device_evicted(name)
-        self.bus.publish(ModelUnload(model=name, device=slot.device or None, num_aborted=aborted))
+        self.bus.publish(ModelUnload(model=name, device=slot.device or None, num_aborted=aborted, reason=reason))
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
         return {"model": name, "num_finished": finished, "num_aborted": aborted}
+
+    # -- keep_alive: an idle model leaves the device by itself -------------------------------------------
+    def keep_alive_s(self, slot: ModelSlot) -> float:
+        """Its last request's keep_alive, else cache.keep_alive_s (negative: never leaves by itself)."""
+        return self.config.cache.keep_alive_s if slot.keep_alive_s is None else slot.keep_alive_s
+
+    def unload_in_s(self, slot: ModelSlot, now: float | None = None) -> float | None:
+        """Seconds until an idle model leaves by itself; None while it works, is pinned, or stays forever."""
+        ka = self.keep_alive_s(slot)
+        if ka < 0 or slot.pinned or slot.state != "ready" or slot.num_in_flight or slot.num_queued:
+            return None
+        return max(0.0, slot.last_active + ka - (time.monotonic() if now is None else now))
+
+    async def keep_alive_loop(self, period_s: float = 0.25) -> None:
+        """Unload (down a tier: the host copy stays) every model idle past its keep_alive; until cancelled."""
+        while True:
+            await asyncio.sleep(period_s)
+            now = time.monotonic()
+            for name, slot in list(self.slots.items()):
+                if self.unload_in_s(slot, now) == 0.0:
+                    log.info("model %s idle for %.1f s (keep_alive %.1f s): unloading it", name,
+                             now - slot.last_active, self.keep_alive_s(slot))
+                    try:
+                        await self.unload(name, timeout=0, reason="keep_alive")
+                    except Exception:  # pinned meanwhile, or already gone: the next tick looks again
+                        log.exception("keep_alive could not unload model %s", name)
 
     def pin(self, name: str, pinned: bool) -> dict:
         slot = self.slot(name)
@@ -429,6 +456,7 @@ class Models:
             prefix_cache=snap.prefix_cache if snap else None, tiers=self.cache.residency(slot.name),
             weights_bytes=slot.weights_bytes, num_layers=slot.num_layers, layers_ready=slot.layers_ready,
             source_tier=slot.source_tier, compression=self.sources.compression_for(slot.name),
+            keep_alive_s=self.keep_alive_s(slot), unload_in_s=self.unload_in_s(slot),
             compression_refused=self.sources.refused.get(slot.name), **self.sharing.model_fields(slot.name))
 
     def status_sections(self) -> dict:

@@ -61,6 +61,8 @@ class ModelSlot:
         self.layers_ready = 0  # layers on the device (a layered load serves before all are in)
         self.source_tier = ""  # where its weights came from: host | disk | disk-int8
         self.weights_bytes = 0  # on the device, in the compute dtype
+        self.keep_alive_s: float | None = None  # the last request's keep_alive (None: cache.keep_alive_s)
+        self.last_active = time.monotonic()  # a request arrived or finished: idle time counts from here
 
     def retry_after_s(self) -> int:
         """Seconds until a queue slot is likely free: the recent completion rate, 1..30."""

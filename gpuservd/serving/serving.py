@@ -171,6 +171,9 @@ class Serving:
         greq.model = self.models.router.pick(greq.model)  # a versioned name: the version that serves it
         await self.models.ensure_loaded(greq.model, draining=self.state == "draining")
         slot = self._admit(greq, ctx)
+        if greq.keep_alive is not None:  # Ollama's: the last request's keep_alive holds for its model
+            slot.keep_alive_s = greq.keep_alive
+        slot.last_active = time.monotonic()
         active = ActiveRequest(slot, ctx, greq, self._dequeued, self._release)
         tname = ctx.tenant.name
         slot.num_queued += 1
@@ -242,6 +245,7 @@ class Serving:
         if not self.active:
             self._idle.set()
         now = time.monotonic()
+        slot.last_active = now
         if active.status == 200:
             slot.finish_times.append(now)
         ttft = (active.first_token_at - ctx.arrival) if active.first_token_at else None

@@ -15,7 +15,9 @@ class CacheConfig:
     host_bytes: int = 2 * 1024**3  # host tier budget (RAM; pinned on CUDA)
     cache_size: int = 3  # models resident on the device at most
     cache_policy: str = "lru"  # lru (the only one; pinned models are never evicted)
-    keep_alive_s: float = 0.0  # a model used within this many seconds is not evicted (Ollama's keep_alive)
+    keep_alive_s: float = -1.0  # Ollama's keep_alive: an idle model leaves the device (down a tier) after this
+    # long by itself, and is not evicted before; negative = never by itself, 0 = right after its last request.
+    # A request's `keep_alive` overrides it for its model.
     load_strategy: str = "full"  # full | layered
     initial_layers: int = 8  # layered: serve once these many layers are in
     compression: str = "none"  # none | int8: what the host and disk tiers hold
@@ -49,8 +51,8 @@ class CacheConfig:
             raise UserError("cache.host_bytes must be >= 0 and cache.device_bytes >= 1")
         if not 0.0 <= self.hit_rate_alert <= 1.0:
             raise UserError(f"cache.hit_rate_alert must be in [0, 1], got {self.hit_rate_alert}")
-        if self.keep_alive_s < 0 or self.load_timeout_s <= 0:
-            raise UserError("cache.keep_alive_s must be >= 0 and cache.load_timeout_s > 0")
+        if self.load_timeout_s <= 0:
+            raise UserError("cache.load_timeout_s must be > 0")
 
 
 # The seed's model profile, `model: {name, num_layers, load_strategy, initial_layers, prefetch,
