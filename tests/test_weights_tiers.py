@@ -84,20 +84,23 @@ def _group_expand(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
     return scale.to(torch.float32).repeat_interleave(group, dim=1)[:, :cols]
 
 
+@pytest.mark.parametrize("asymmetric", [False, True])
 @pytest.mark.parametrize("cols", [128, 150])  # whole groups, and a last group of 22 columns
-def test_quantize_int8_error_is_bounded_by_each_groups_own_range(cols):
+def test_quantize_int8_error_is_bounded_by_each_groups_own_range(cols, asymmetric):
     g = torch.Generator().manual_seed(0)
     # rows and column blocks of very different scale: one large column per row would set a per-row step
     w = torch.randn(64, cols, generator=g) * torch.linspace(0.01, 3.0, 64)[:, None]
     w[:, 5] *= 40.0
-    qt = quantize_int8(w)
+    qt = quantize_int8(w, 64, asymmetric)
     assert qt.group_size == 64 and qt.scale.dtype == torch.float16 and qt.scale.shape == (64, -(-cols // 64))
+    assert (qt.minimum is not None) == asymmetric
     step = _group_expand(qt.scale, 64, cols)
     err = (qt.dequantize() - w).abs()
-    assert torch.all(err <= step / 2 + 1e-6)  # half a step of the weight's own group
+    assert torch.all(err <= step / 2 + 1e-6 + 1e-3 * w.abs())  # half a step of its own group (+ fp16 minimum)
     # the groups without the large column keep a step 40x finer than one scale per row would give
     assert float(step[:, 64:].amax()) < float(w.abs().amax(dim=1).max()) / 127 / 10
-    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * cols + qt.scale.numel() * 2
+    extra = 0 if qt.minimum is None else qt.minimum.numel() * 2
+    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * cols + qt.scale.numel() * 2 + extra
 
 
 def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
@@ -121,10 +124,15 @@ def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
 def test_int8_expands_straight_into_the_compute_dtype(dtype):
     """One pass (q * s computed in fp32, rounded once) gives the three-pass result bit for bit."""
 
-    for cols in (128, 40):  # whole groups, and one short group
-        qt = quantize_int8(torch.randn(96, cols, generator=torch.Generator().manual_seed(1)))
+    for cols, asymmetric in ((128, False), (40, False), (128, True), (40, True)):  # whole and short groups
+        qt = quantize_int8(torch.randn(96, cols, generator=torch.Generator().manual_seed(1)), 64, asymmetric)
         got = qt.dequantize(dtype)
-        want = (qt.q.to(torch.float32) * _group_expand(qt.scale, qt.group_size, cols)).to(dtype)
+        s = _group_expand(qt.scale, qt.group_size, cols)
+        if asymmetric:
+            bias = _group_expand(qt.minimum, qt.group_size, cols) + 128 * s
+            want = torch.addcmul(bias, qt.q.to(torch.float32), s).to(dtype)
+        else:
+            want = (qt.q.to(torch.float32) * s).to(dtype)
         assert got.dtype == dtype and torch.equal(got, want)
 
 

@@ -112,11 +112,12 @@ class Upload:
         if not self.cuda:  # INT8 expanded straight into the compute dtype
             parts = [p.dequantize(dtype) if isinstance(p, QTensor) else p for p in parts]
             return _cast(parts[0] if len(parts) == 1 else torch.cat(parts), dtype, self.device)
-        if all(isinstance(p, QTensor) for p in parts) and len({p.group_size for p in parts}) == 1:
+        if all(isinstance(p, QTensor) for p in parts) and len({(p.group_size, p.minimum is None) for p in parts}) == 1:
             q, scale = self._send([p.q for p in parts]), self._send([p.scale for p in parts])
+            low = None if parts[0].minimum is None else self._send([p.minimum for p in parts])
             out = torch.empty(q.shape, dtype=dtype, device=self.device)
             with torch.cuda.stream(self.stream):  # the CPU's expansion, run on the GPU's copy of the bytes
-                QTensor(q, scale, parts[0].group_size).dequantize(dtype, out=out)
+                QTensor(q, scale, parts[0].group_size, low).dequantize(dtype, out=out)
             return out
         parts = [p.dequantize(torch.float32) if isinstance(p, QTensor) else p for p in parts]
         src = self._pinned(parts)

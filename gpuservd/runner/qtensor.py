@@ -15,19 +15,22 @@ import torch
 
 @dataclass
 class QTensor:
-    """An int8 matrix with one scale per group of `group_size` input columns of each row:
-    W[r, c] ~= q[r, c] * scale[r, c // group_size]."""
+    """An int8 matrix with, per group of `group_size` input columns of each row, a scale and (asymmetric) the
+    group's minimum: W[r, c] ~= (q[r, c] + 128) * scale[r, g] + minimum[r, g], g = c // group_size; without
+    a minimum (symmetric) W[r, c] ~= q[r, c] * scale[r, g]."""
 
     q: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # float16 [out, ceil(in / group_size)]
     group_size: int
+    minimum: torch.Tensor | None = None  # float16 [out, groups]: each group's smallest weight (asymmetric)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+        parts = (self.q, self.scale) if self.minimum is None else (self.q, self.scale, self.minimum)
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q * s in `dtype` (into `out` [out, in] when given), on q's device: one pass, computed in fp32 and
+        """W in `dtype` (into `out` [out, in] when given), on q's device: one pass, computed in fp32 and
         rounded once. The same code runs on the CPU (the device tier is RAM) and on a GPU after the int8
         bytes were copied there."""
         rows, cols = self.q.shape
@@ -35,11 +38,18 @@ class QTensor:
         scale = self.scale.to(torch.float32)[:, :, None]  # [out, groups, 1]: small, so fp32 math is free
         if out is None:
             out = torch.empty((rows, cols), dtype=dtype, device=self.q.device)
-        if groups * g == cols:
-            torch.mul(self.q.view(rows, groups, g), scale, out=out.view(rows, groups, g))
-            return out
-        # a last group shorter than group_size (in % group_size != 0): pad, expand, cut
-        padded = torch.zeros((rows, groups * g), dtype=torch.int8, device=self.q.device)
-        padded[:, :cols] = self.q
-        out.copy_((padded.view(rows, groups, g) * scale).view(rows, groups * g)[:, :cols])
+        q = self.q
+        if groups * g != cols:  # a last group shorter than group_size: pad, expand, cut
+            q = torch.zeros((rows, groups * g), dtype=torch.int8, device=self.q.device)
+            q[:, :cols] = self.q
+        q = q.view(rows, groups, g)
+        target = out.view(rows, groups, g) if groups * g == cols else \
+            torch.empty((rows, groups, g), dtype=dtype, device=self.q.device)
+        if self.minimum is None:
+            torch.mul(q, scale, out=target)
+        else:
+            bias = self.minimum.to(torch.float32)[:, :, None] + 128.0 * scale
+            torch.addcmul(bias, q, scale, out=target)
+        if groups * g != cols:
+            out.copy_(target.view(rows, groups * g)[:, :cols])
         return out

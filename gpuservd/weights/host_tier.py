@@ -34,7 +34,8 @@ class HostCopy:
             if compression == "int8" and quantizable(name, t):
                 q = quantize_int8(t)
                 if pin:
-                    q = QTensor(q.q.pin_memory(), q.scale.pin_memory(), q.group_size)
+                    q = QTensor(q.q.pin_memory(), q.scale.pin_memory(), q.group_size,
+                                None if q.minimum is None else q.minimum.pin_memory())
                 tensors[name] = q
             else:
                 t = t.contiguous()

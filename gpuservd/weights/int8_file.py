@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from gpuservd.errors import StoreCorrupt
 from gpuservd.store.readahead import FileReadahead
-from gpuservd.weights.quant import GROUP_SIZE, QTensor, quantizable, quantize_int8
+from gpuservd.weights.quant import ASYMMETRIC, GROUP_SIZE, QTensor, quantizable, quantize_int8
 
 log = logging.getLogger("gpuservd.weights")
 
@@ -37,7 +37,10 @@ SUBDIR = "int8"
 FILE = "model.safetensors"
 AGREEMENT = "agreement.json"
 FORMAT = "2"  # 1 (no marker): one fp32 scale per row; 2: fp16 scales per group of input columns
-SCHEME = "int8-symmetric-groupwise"
+
+
+def scheme() -> str:
+    return f"int8-{'asymmetric' if ASYMMETRIC else 'symmetric'}-groupwise"
 
 
 class Int8Stale(StoreCorrupt):
@@ -64,10 +67,12 @@ def write_int8(reader, model_dir: Path, group_size: int = GROUP_SIZE) -> Path:
         if quantizable(name, t):
             qt = quantize_int8(t, group_size)
             tensors[name + ".q"], tensors[name + ".scale"] = qt.q, qt.scale
+            if qt.minimum is not None:
+                tensors[name + ".min"] = qt.minimum
         else:
             tensors[name] = t.contiguous()
     tmp = out.with_name(f".{FILE}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "gpuserv_int8": FORMAT, "scheme": SCHEME,
+    save_file(tensors, str(tmp), metadata={"format": "pt", "gpuserv_int8": FORMAT, "scheme": scheme(),
                                            "group_size": str(group_size), "scale_dtype": "float16"})
     os.replace(tmp, out)
     (out.parent / AGREEMENT).unlink(missing_ok=True)  # measured on the file this one replaces
@@ -129,7 +134,8 @@ class Int8Reader:
         self.group_size = int(meta["group_size"])
         keys = set(self._f.keys())
         self._q = {k[:-2] for k in keys if k.endswith(".q")}
-        self._plain = {k for k in keys if not (k.endswith(".q") or k.endswith(".scale"))}
+        self._plain = {k for k in keys if not k.endswith((".q", ".scale", ".min"))}
+        self._min = {k[:-4] for k in keys if k.endswith(".min")}
         self.bytes_read = 0
         self._readahead = FileReadahead(self.path)
 
@@ -138,7 +144,12 @@ class Int8Reader:
 
     def prefetch(self, names) -> None:
         """Start reading these tensors' bytes (int8 values and scales) in the background."""
-        self._readahead.ask([k for n in names for k in ((n + ".q", n + ".scale") if n in self._q else (n,))])
+        self._readahead.ask([k for n in names for k in self._keys(n)])
+
+    def _keys(self, name: str) -> tuple[str, ...]:
+        if name not in self._q:
+            return (name,)
+        return (name + ".q", name + ".scale") + ((name + ".min",) if name in self._min else ())
 
     def has(self, name: str) -> bool:
         return name in self._q or name in self._plain
@@ -148,7 +159,8 @@ class Int8Reader:
         return list(self._f.get_slice(key).get_shape())
 
     def _qtensor(self, name: str) -> QTensor:
-        qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"), self.group_size)
+        qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"), self.group_size,
+                     self._f.get_tensor(name + ".min") if name in self._min else None)
         self.bytes_read += qt.nbytes
         return qt
 
