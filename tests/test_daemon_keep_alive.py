@@ -30,7 +30,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
                 d.unloads.append(json.loads(line))
 
     try:
-        d.wait_ready(300)
+        d.wait_ready(600)
         threading.Thread(target=read, daemon=True).start()
         yield d
     finally:

@@ -27,7 +27,7 @@ def sockdir():
 def test_the_default_0660_socket_refuses_another_user(tmp_path, tiny_model_dir, sockdir):
     d = DaemonProcess(tmp_path, make_home(tmp_path, tiny_model_dir), socket_path=sockdir / "gs.sock")
     try:
-        d.wait_ready(300)
+        d.wait_ready(600)
         assert oct(d.socket.stat().st_mode & 0o777) == "0o660"
         got = request_as_nobody(d.socket, "POST", "/v1/completions", ASK)
         assert got == {"error": "PermissionError", "errno": errno.EACCES, "uid": NOBODY}
@@ -47,7 +47,7 @@ def test_an_open_socket_maps_the_uid_to_its_tenant_and_refuses_another_tenants_h
     d = DaemonProcess(tmp_path, make_home(tmp_path, tiny_model_dir), socket_path=sockdir / "gs.sock",
                       config={"server": {"socket_mode": "0666", "tenants_file": str(tenants)}})
     try:
-        d.wait_ready(300)
+        d.wait_ready(600)
         got = request_as_nobody(d.socket, "POST", "/v1/completions", ASK)
         assert got["status"] == 200 and got["uid"] == NOBODY, got
         rid = json.loads(got["body"])["id"]
