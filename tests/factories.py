@@ -87,3 +87,16 @@ def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) 
     make_hf_model(path, arch, seed=seed, **overrides)
     make_tokenizer(path)
     return path
+
+
+def arrive_and_cancel(s, requests: list, arrivals: dict, cancel, step: int, done: list) -> None:
+    """A scheduler test's traffic at one step: requests whose arrival step it is join the scheduler; at
+    step 2 the requests numbered in `cancel` that are still queued or running go away (a client leaves)."""
+    for i, r in enumerate(requests):
+        if arrivals[i] == step:
+            s.add(r)
+    if step == 2:
+        for i in cancel:
+            if i < len(requests) and requests[i] not in done and (requests[i] in s.running or requests[i] in s.waiting):
+                s.remove(requests[i])
+                done.append(requests[i])

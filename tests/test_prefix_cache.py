@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from factories import arrive_and_cancel
 from gpuservd.config import EngineConfig, PreemptionConfig, SchedulerConfig
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import Request, SamplingParams
@@ -225,14 +226,7 @@ def test_property_sharing_eviction_swap_no_leak_no_shared_write(num_blocks, max_
     arrivals = {i: a for i, (_, _, _, a, _) in enumerate(reqs)}
     sim, done, step = SimKV(s), [], 0
     while len(done) < len(requests):
-        for i, r in enumerate(requests):
-            if arrivals[i] == step:
-                s.add(r)
-        if step == 2:
-            for i in cancel:
-                if i < len(requests) and (requests[i] in s.running or requests[i] in s.waiting):
-                    s.remove(requests[i])
-                    done.append(requests[i])
+        arrive_and_cancel(s, requests, arrivals, cancel, step, done)
         if step == reset_at:
             s.kv.reset_prefix_cache()
         out = s.schedule()

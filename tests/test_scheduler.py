@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from factories import arrive_and_cancel
 from gpuservd.config import PreemptionConfig, SchedulerConfig
 from gpuservd.engine.request import Request, SamplingParams
 from gpuservd.engine.scheduler import KVLayout, Scheduler
@@ -272,14 +273,7 @@ def test_property_no_leak_no_deadlock_everyone_finishes(num_blocks, max_num_seqs
     arrivals = {i: a for i, (_, _, _, a, _) in enumerate(reqs)}
     done, step = [], 0
     while len(done) < len(requests):
-        for i, r in enumerate(requests):
-            if arrivals[i] == step:
-                s.add(r)
-        if step == 2:
-            for i in cancel:
-                if i < len(requests) and requests[i] not in done and (requests[i] in s.running or requests[i] in s.waiting):
-                    s.remove(requests[i])
-                    done.append(requests[i])
+        arrive_and_cancel(s, requests, arrivals, cancel, step, done)
         out = run_step(s, done)
         step += 1
         assert step < 3000, "no progress: deadlock"
