@@ -1,7 +1,7 @@
 """Building one model's engine over a weight source chosen by weights/sources.py.
 
 Shared by both ways the daemon hosts an engine: an engine thread of its own
-process (models.py builds there, with the weight cache's in-memory tiers in
+process (serving/models.py builds there, with the weight cache's in-memory tiers in
 front) and an engine worker process (worker/__main__.py builds from a
 `WorkerSpec`, reading the store: its process cannot see the daemon's memory).
 """

@@ -1,6 +1,6 @@
 """The daemon's side of an engine worker process: `WorkerLoop`, with EngineLoop's surface.
 
-models.py holds a WorkerLoop where it would hold an EngineLoop (`slot.loop`):
+serving/models.py holds a WorkerLoop where it would hold an EngineLoop (`slot.loop`):
 submit, abort, call, set_arbiter, stop, alive, snapshot (its heartbeat), ready,
 facts(), recent_steps(). The engine runs in a child process started with
 subprocess (a fresh interpreter: no fork of a process with threads and torch),
