@@ -253,6 +253,13 @@ def test_client_leaving_an_n_stream_mid_grammar_frees_every_choice(daemon):
             rows = admin.get("/admin/requests").json()["requests"]
         assert len(rows) == 3  # one engine request per choice, each says what applies
         assert all(r["sampling"] == "t=1 n=3 json_schema (guided_json)" for r in rows)
+        from typer.testing import CliRunner
+
+        from gpuservd.cli.main import app
+
+        out = CliRunner().invoke(app, ["requests", "ls"], env={"GPUSERV_SOCKET": str(daemon.socket),
+                                                                "COLUMNS": "250"}).output
+        assert out.count("json_schema (guided_json)") == 3, out
     wait_until(lambda: daemon.status()["num_in_flight"] == 0, 10, what="the three choices to be aborted")
     tiny = {m["name"]: m for m in daemon.status()["models"]}["tiny"]
     assert tiny["kv_blocks_free"] == tiny["kv_blocks_total"]

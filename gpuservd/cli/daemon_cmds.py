@@ -298,9 +298,11 @@ def requests_ls(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> 
     table = Table(box=None, padding=(0, 1), header_style="bold")
     for col in ("request id", "model", "tenant", "uid", "state", "age", "prompt", "output", "preempted"):
         table.add_column(col, no_wrap=True)
+    table.add_column("sampling")  # what applies: temperature, penalties, seed, logprobs, grammar, tools, n
     for r in rows:
         table.add_row(r["request_id"], r["model"], r["tenant"], str(r["uid"]), r["state"], f"{r['age_s']:.1f}s",
-                      str(r["num_prompt_tokens"]), str(r["num_output_tokens"]), str(r["num_preemptions"]))
+                      str(r["num_prompt_tokens"]), str(r["num_output_tokens"]), str(r["num_preemptions"]),
+                      r.get("sampling", ""))
     _console().print(table)
 
 
