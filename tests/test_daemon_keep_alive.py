@@ -1,0 +1,97 @@
+"""Ollama's keep_alive through the real daemon: an idle model leaves the device by itself after
+cache.keep_alive_s (down to the host tier, with a model_unload event saying why), a request's
+keep_alive overrides it for its model (-1 forever, 0 right after the request), and a pinned model never
+leaves. One daemon; each test uses its own model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from daemon_harness import DaemonProcess, make_home, wait_until
+
+KEEP = 1.5  # cache.keep_alive_s
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("keep-alive")
+    home = make_home(tmp, tiny_model_dir, names=("tiny", "tiny2", "tiny3", "tiny4"))
+    d = DaemonProcess(tmp, home, config={"server": {"models": []},
+                                         "cache": {"keep_alive_s": KEEP, "cache_size": 4, "host_bytes": "64MiB"}})
+    d.unloads: list[dict] = []
+
+    def read():
+        with d.http(timeout=None) as c, c.stream("GET", "/admin/events", params={"types": "model_unload"}) as r:
+            for line in r.iter_lines():
+                d.unloads.append(json.loads(line))
+
+    try:
+        d.wait_ready(600)
+        threading.Thread(target=read, daemon=True).start()
+        yield d
+    finally:
+        d.stop()
+
+
+def ask(d, model, **extra):
+    with d.http(timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    return time.monotonic()
+
+
+def model(d, name):
+    return next((m for m in d.status()["models"] if m["name"] == name), None)
+
+
+def test_an_idle_model_leaves_after_keep_alive_s_by_itself(daemon):
+    done = ask(daemon, "tiny")
+    m = model(daemon, "tiny")
+    assert m["keep_alive_s"] == KEEP and m["unload_in_s"] is not None and m["unload_in_s"] <= KEEP
+    wait_until(lambda: model(daemon, "tiny") is None, 60, what="tiny to leave the device")
+    assert time.monotonic() - done >= KEEP  # not before its keep_alive
+    wait_until(lambda: any(e["model"] == "tiny" for e in daemon.unloads), 10, what="the unload event")
+    ev = next(e for e in daemon.unloads if e["model"] == "tiny")
+    assert ev["reason"] == "keep_alive" and ev["num_aborted"] == 0
+    st = daemon.status()["weight_cache"]
+    assert "tiny" in st["host"]["models"]  # down a tier, not gone
+    assert f"model tiny idle for" in daemon.log and "unloading it" in daemon.log
+
+
+def test_a_requests_keep_alive_minus_one_keeps_it_forever(daemon):
+    ask(daemon, "tiny2", keep_alive=-1)
+    time.sleep(3 * KEEP)
+    m = model(daemon, "tiny2")
+    assert m is not None and m["keep_alive_s"] == -1 and m["unload_in_s"] is None
+
+
+def test_a_requests_keep_alive_zero_unloads_right_after_it(daemon):
+    ask(daemon, "tiny3", keep_alive="0s")
+    wait_until(lambda: model(daemon, "tiny3") is None, 30, what="tiny3 to leave at once")
+    ev = next(e for e in daemon.unloads if e["model"] == "tiny3")
+    assert ev["reason"] == "keep_alive"
+    # and a duration string sets seconds: "1m" keeps the next load for a minute
+    ask(daemon, "tiny3", keep_alive="1m")
+    m = model(daemon, "tiny3")
+    assert m["keep_alive_s"] == 60 and m["unload_in_s"] > 50
+
+
+def test_a_pinned_model_never_leaves(daemon):
+    ask(daemon, "tiny4")
+    with daemon.http() as c:
+        assert c.post("/admin/models/tiny4/pin", json={"pinned": True}).status_code == 200
+    ask(daemon, "tiny4", keep_alive=0)
+    time.sleep(3 * KEEP)
+    m = model(daemon, "tiny4")
+    assert m is not None and m["pinned"] and m["unload_in_s"] is None
+
+
+def test_a_bad_keep_alive_is_a_400_naming_the_field(daemon):
+    with daemon.http() as c:
+        r = c.post("/v1/completions", json={"model": "tiny4", "prompt": "hi", "max_tokens": 2, "keep_alive": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
+    assert "a duration like" in r.json()["error"]["message"]
