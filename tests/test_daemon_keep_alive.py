@@ -27,7 +27,9 @@ def daemon(tmp_path_factory, tiny_model_dir):
     def read():
         with d.http(timeout=None) as c, c.stream("GET", "/admin/events", params={"types": "model_unload"}) as r:
             for line in r.iter_lines():
-                d.unloads.append(json.loads(line))
+                e = json.loads(line)
+                if e.get("type") == "model_unload":  # the stream starts with a hello
+                    d.unloads.append(e)
 
     try:
         d.wait_ready(600)
@@ -72,6 +74,7 @@ def test_a_requests_keep_alive_minus_one_keeps_it_forever(daemon):
 def test_a_requests_keep_alive_zero_unloads_right_after_it(daemon):
     ask(daemon, "tiny3", keep_alive="0s")
     wait_until(lambda: model(daemon, "tiny3") is None, 30, what="tiny3 to leave at once")
+    wait_until(lambda: any(e["model"] == "tiny3" for e in daemon.unloads), 10, what="the unload event")
     ev = next(e for e in daemon.unloads if e["model"] == "tiny3")
     assert ev["reason"] == "keep_alive"
     # and a duration string sets seconds: "1m" keeps the next load for a minute
