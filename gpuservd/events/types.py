@@ -1,20 +1,18 @@
 """Every event the daemon publishes, as a dataclass with one `type` and a stable JSON shape.
 
-The engine, the model manager, serving, the arbiter and the hint monitor make
-these; the bus carries them; `/admin/events` sends `to_json()` of each, one
-JSON object per line, and readers (the console, `gpuserv record`, `gpuserv
-events`, the hint rules) turn a line back into its class with `read_event`.
+The engine, the models, serving, the arbiter and the hints make these; the bus carries them;
+`/admin/events` sends `to_json()` of each, one JSON object per line; readers (the console,
+`gpuserv record` and `gpuserv events`) turn a line back into its class with `read_event`.
 
 JSON shape, schema 2 (the `hello` line says `"schema": 2`): `{"type": ..., "t":
 ..., <the fields below, in order>}`; shape.py says how (optional fields, keys a
 reader does not know passed through in `extra`).
 
-Schema 1 (a `hello` without `schema`; the console's replay fixtures) named a
-preemption victim's move and a KV copy's direction only by `"kind"`
-(`"swap"`, `"swap_out"`), and the engine's own events nested in a step record
-had `"kind"` where every other event has `"type"`. Schema 2 adds `move` and
-`direction` and keeps `kind` beside them for schema-1 readers; `read_event`
-reads both shapes.
+Schema 1 (a `hello` without `schema`; the console's replay fixtures) named a preemption
+victim's move and a KV copy's direction only by `"kind"` (`"swap"`, `"swap_out"`), and the
+engine's own events nested in a step record had `"kind"` where every other event has `"type"`.
+Schema 2 adds `move` and `direction`, keeps `kind` beside them for schema-1 readers, and
+`read_event` reads both shapes.
 """
 
 from __future__ import annotations
