@@ -109,7 +109,7 @@ class ServerConfig:
 
     def profiles_path(self) -> Path | None:
         candidates = [self.profiles_dir, os.environ.get("GPUSERV_PROFILES", ""), "/etc/gpuserv/profiles",
-                      str(Path(__file__).resolve().parent.parent / "profiles")]
+                      str(Path(__file__).resolve().parents[2] / "profiles")]  # the source tree's
         for c in candidates:
             if c and Path(c).expanduser().is_dir():
                 return Path(c).expanduser()
