@@ -50,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from gpuservd.config import EngineConfig
+from gpuservd.dtypes import choose_dtype
 from gpuservd.errors import ModelNotFound, UserError
 from gpuservd.runner.model_config import load_arch
 from gpuservd.sharing.hardware import Hardware, SmGranularity
@@ -192,6 +193,12 @@ class MemoryQuota:
                 "fixed": self.fixed, "sources": dict(self.sources)}
 
 
+def compute_dtype(engine) -> str:
+    """The dtype the engine will compute in: a config's `auto` is resolved for its device the way the
+    engine resolves it at start, so a plan made before any engine exists sizes the same bytes."""
+    return choose_dtype(engine.device)[0] if engine.dtype == "auto" else engine.dtype
+
+
 def store_weights_bytes(store, name: str, dtype: str) -> int:
     """A stored model's weights in the compute dtype (its own parameters; a variant's delta only)."""
     return store.info(name).num_parameters * DTYPE_BYTES[dtype]
@@ -204,7 +211,8 @@ class _QuotaTerms:
     def __init__(self, name: str, m, engine, store, warnings: list[str]):
         self.name, self.m, self.engine, self.store, self.warnings = name, m, engine, store, warnings
         self.fixed = m.memory_quota_bytes is not None
-        self.dtype_bytes = DTYPE_BYTES.get(engine.dtype, 4)
+        self.dtype = compute_dtype(engine)
+        self.dtype_bytes = DTYPE_BYTES[self.dtype]
         self.sources: dict[str, str] = {}
         self._arch = None
 
@@ -228,10 +236,10 @@ class _QuotaTerms:
             self.sources["weights"] = "config"
             return self.m.weights_bytes
         try:
-            weights = store_weights_bytes(self.store or ModelStore(), self.name, self.engine.dtype)
+            weights = store_weights_bytes(self.store or ModelStore(), self.name, self.dtype)
         except ModelNotFound:
             return self.missing("weights size", "weights_bytes")
-        self.sources["weights"] = f"store ({self.engine.dtype})"
+        self.sources["weights"] = f"store ({self.dtype})"
         return weights
 
     def kv_peak(self, weights: int | None) -> int | None:
