@@ -166,6 +166,13 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now (for a daemon's --tcp)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what="condition"):
     """what: a description, or a function giving one (called only on timeout, to show the state then)."""
     deadline = time.monotonic() + timeout

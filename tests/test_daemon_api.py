@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 
@@ -21,15 +20,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from daemon_harness import ROOT, DaemonProcess, make_home, wait_until
+from daemon_harness import ROOT, DaemonProcess, make_home, wait_until, free_port
 
 TOKEN = "s3cret-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         "  - {name: tight, users: [], max_in_flight: 1}\n"
         "  - {name: vip, users: [], priority: 5}\n")
     (tmp / "token").write_text(TOKEN + "\n")
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(tmp, home, config={
         "scheduler": {"max_num_seqs": 8},
         "server": {"tenants_file": str(tmp / "tenants.yaml"), "max_queued_per_model": 8,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import ROOT, DaemonProcess, make_home
+from daemon_harness import ROOT, DaemonProcess, make_home, free_port
 
 DOCS = ROOT / "docs" / "observability"
 TOKEN = "obs-token"
@@ -27,17 +26,11 @@ PROMQL = {"sum", "avg", "min", "max", "count", "by", "without", "rate", "irate",
           "topk", "bottomk", "clamp_min", "clamp_max", "abs", "delta", "deriv", "time", "vector", "scalar"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("observability")
     (tmp / "token").write_text(TOKEN + "\n")
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(tmp, make_home(tmp, tiny_model_dir, names=("tiny", "tiny2")), config={
         "server": {"models": ["tiny", "tiny2"], "tcp": f"127.0.0.1:{port}", "tcp_token_file": str(tmp / "token")}})
     d.url = f"http://127.0.0.1:{port}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,19 +28,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import DaemonProcess, make_home, wait_until
+from daemon_harness import DaemonProcess, make_home, wait_until, free_port
 from router_venv import router_bin
 
 pytestmark = pytest.mark.slow
 CLIENT_TIMEOUT_S = 60.0  # a guard against a hang, not a speed bound: a request here takes well under a second
 PREFIX_A = "You are a terse assistant for the shipping desk. " * 12  # ~600 characters shared by a group
 PREFIX_B = "Translate the following support ticket into plain English. " * 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def fleet(tmp_path_factory, tiny_model_dir, router_exe):
     try:
         for i in range(2):
             tmp = tmp_path_factory.mktemp(f"box{i}")
-            port = _free_port()
+            port = free_port()
             d = DaemonProcess(tmp, make_home(tmp, tiny_model_dir), config={
                 "scheduler": {"max_num_seqs": 8}, "server": {"tcp": f"127.0.0.1:{port}"}})
             d.url = f"http://127.0.0.1:{port}"
@@ -76,11 +69,11 @@ class Router:
     """A vllm-router process in front of the fleet; stopped on exit."""
 
     def __init__(self, exe, daemons, tmp, policy: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"router-{policy}.log"
         self.cmd = [str(exe), "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
-                    "--worker-urls", *[d.url for d in daemons], "--prometheus-port", str(_free_port()),
+                    "--worker-urls", *[d.url for d in daemons], "--prometheus-port", str(free_port()),
                     "--worker-startup-timeout-secs", "60", "--health-check-interval-secs", "1",
                     "--health-failure-threshold", "1", "--health-success-threshold", "1", "--log-level", "info"]
 

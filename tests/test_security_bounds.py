@@ -18,15 +18,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from daemon_harness import DaemonProcess, make_home, wait_until  # noqa: E402
+from daemon_harness import DaemonProcess, make_home, wait_until, free_port  # noqa: E402
 
 TOKEN = "bounds-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("security-bounds")
     home = make_home(tmp, tiny_model_dir)
     (tmp / "token").write_text(TOKEN)
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(tmp, home, config={"server": {
         "max_body_bytes": 2 * 1024 * 1024, "header_timeout_s": 1.0, "body_timeout_s": 1.0,
         "tcp": f"127.0.0.1:{port}", "tcp_token_file": str(tmp / "token")}})

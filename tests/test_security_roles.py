@@ -5,7 +5,6 @@ daemon over its socket, the other users as uids 65534 (nobody) and 4242 (listed 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
@@ -16,17 +15,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from daemon_harness import DaemonProcess, make_home, wait_until  # noqa: E402
+from daemon_harness import DaemonProcess, make_home, wait_until, free_port  # noqa: E402
 from hostile import NOBODY, as_user, open_dir, remove  # noqa: E402
 
 OPS_UID = 4242
 TOKEN, ADMIN_TOKEN = "user-token-1", "admin-token-2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
     (tmp / "token").write_text(TOKEN)
     (tmp / "admin-token").write_text(ADMIN_TOKEN)
     sockdir = open_dir("gs-roles-")
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(tmp, home, socket_path=sockdir / "gs.sock", config={"server": {
         "socket_mode": "0666", "tenants_file": str(tmp / "tenants.yaml"), "tcp": f"127.0.0.1:{port}",
         "tcp_token_file": str(tmp / "token"), "admin_token_file": str(tmp / "admin-token")}})
