@@ -25,7 +25,7 @@ from gpuservd.engine.scheduler import Scheduler
 from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.errors import UserError
-from gpuservd.events.types import Event, LayerResume, LayerSuspend, SwapMove, Victim
+from gpuservd.events.types import Event, LayerResume, LayerSuspend, Victim
 from gpuservd.kv_cache.swap import HostKVPool, Swapper
 from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.decode_step import DecodeResult
@@ -358,7 +358,7 @@ class LLMEngine:
                 preempted_ids=list(sched.preempted_ids),
                 num_finished=sum(o.finished for o in outputs),
                 preemptions=[Victim.from_json(p.to_dict()).to_json() for p in sched.preemptions],
-                swaps=[_swap_move(m).to_json() for m in sched.moves],
+                swaps=[m.event().to_json() for m in sched.moves],
                 events=events,
                 preemption_on=self.scheduler.preemption_on,
                 kv_host_blocks_used=self.host_pool.num_used,
@@ -483,12 +483,6 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
-
-
-def _swap_move(m) -> SwapMove:
-    return SwapMove(request_id=m.request_id, direction=m.direction, blocks=len(m.device_blocks),
-                    host_layers=m.num_host_layers, bytes_moved=m.bytes_moved, bytes_parked=m.bytes_parked,
-                    seconds=m.seconds)
 
 
 class _Suspended:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpuservd.background import in_background
+from gpuservd.events.types import SwapMove
 from gpuservd.kv_cache.block_pool import BlockPool
 from gpuservd.kv_cache.cache import CacheShape, KVCache
 
@@ -37,6 +38,12 @@ class KVMove:
     bytes_moved: int = 0  # filled by execute(): host <-> device bytes
     bytes_parked: int = 0  # filled by execute(): device <-> device bytes
     seconds: float = 0.0  # filled by execute()
+
+    def event(self) -> SwapMove:
+        """The move as the event stream and the step record report it."""
+        return SwapMove(request_id=self.request_id, direction=self.direction, blocks=len(self.device_blocks),
+                        host_layers=self.num_host_layers, bytes_moved=self.bytes_moved,
+                        bytes_parked=self.bytes_parked, seconds=self.seconds)
 
 
 def park_slots(num_layers: int, keep: int, blocks: list[int], park: list[int]):
