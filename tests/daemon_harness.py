@@ -6,6 +6,7 @@ tiny test model is imported into a temporary store under the name "tiny".
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -171,6 +172,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stream_completion(daemon, body: dict, out: dict, key, started=None) -> None:
+    """Stream one /v1/completions body and put (status, tokens, finish reason, error chunks) in out[key];
+    `started` (a threading.Barrier) is waited on once the response has begun, so streams overlap."""
+    tokens, errors, finish = 0, [], None
+    with daemon.http(120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        if started is not None:
+            started.wait(60)
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk["error"])
+                continue
+            tokens += len(chunk["choices"][0].get("token_ids") or [])
+            finish = chunk["choices"][0].get("finish_reason") or finish
+    out[key] = (r.status_code, tokens, finish, errors)
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what="condition"):

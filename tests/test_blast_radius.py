@@ -5,7 +5,6 @@ outside the vocabulary, set after validation) and through the real daemon with >
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from daemon_harness import ROOT, DaemonProcess, make_home  # noqa: E402
+from daemon_harness import ROOT, DaemonProcess, make_home, stream_completion  # noqa: E402
 
 from gpuservd.config import EngineConfig  # noqa: E402
 from gpuservd.engine.engine import LLMEngine  # noqa: E402
@@ -108,27 +107,10 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.stop()
 
 
-def _stream(daemon, body: dict, out: dict, key, started: threading.Barrier | None) -> None:
-    tokens, errors, finish = 0, [], None
-    with daemon.http(120) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        if started is not None:
-            started.wait(60)
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                errors.append(chunk["error"])
-                continue
-            tokens += len(chunk["choices"][0].get("token_ids") or [])
-            finish = chunk["choices"][0].get("finish_reason") or finish
-    out[key] = (r.status_code, tokens, finish, errors)
-
-
 def test_a_failing_row_beside_running_streams_fails_alone(daemon):
     out: dict = {}
     started = threading.Barrier(NUM_STREAMS + 1)
-    threads = [threading.Thread(target=_stream, args=(daemon, {
+    threads = [threading.Thread(target=stream_completion, args=(daemon, {
         "model": "tiny", "prompt": f"stream {i}", "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True,
         "temperature": 0.8, "seed": i, "return_token_ids": True}, out, i, started)) for i in range(NUM_STREAMS)]
     for t in threads:
@@ -136,7 +118,7 @@ def test_a_failing_row_beside_running_streams_fails_alone(daemon):
     started.wait(60)  # every stream is generating
     poison = {"model": "tiny", "prompt": "poison", "max_tokens": 50, "stream": True, "ignore_eos": True,
               "temperature": 0.8, "seed": POISON_SEED, "return_token_ids": True}
-    _stream(daemon, poison, out, "poison", None)
+    stream_completion(daemon, poison, out, "poison", None)
     with daemon.http() as c:  # the same, not streamed: a 500 naming the request
         r = c.post("/v1/completions", json={**poison, "stream": False})
     for t in threads:

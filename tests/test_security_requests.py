@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from daemon_harness import DaemonProcess, make_home  # noqa: E402
+from daemon_harness import DaemonProcess, make_home, stream_completion  # noqa: E402
 from hostile import as_user, open_dir, remove  # noqa: E402
 
 NUM_STREAMS = 6
@@ -41,19 +41,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
 def _stream(daemon, out: dict, i: int, started: threading.Barrier) -> None:
     body = {"model": "tiny", "prompt": f"stream {i}", "max_tokens": STREAM_TOKENS, "stream": True,
             "ignore_eos": True, "temperature": 0.7, "seed": i, "return_token_ids": True}
-    tokens, errors, finish = 0, [], None
-    with daemon.http(120) as c, c.stream("POST", "/v1/completions", json=body) as r:
-        started.wait(60)
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                errors.append(chunk["error"])
-                continue
-            tokens += len(chunk["choices"][0].get("token_ids") or [])
-            finish = chunk["choices"][0].get("finish_reason") or finish
-    out[i] = (r.status_code, tokens, finish, errors)
+    stream_completion(daemon, body, out, i, started)
 
 
 def _post_as_other_user(daemon, bodies: list) -> list:
