@@ -153,6 +153,18 @@ class DaemonProcess:
     def signal(self, sig=signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 
+    def __enter__(self) -> "DaemonProcess":
+        """`with DaemonProcess(...) as d:` waits until it is ready and stops it on the way out, failed or not."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -42,11 +42,8 @@ def daemon(tmp_path_factory, tiny_model_dir):
                    "tcp": f"127.0.0.1:{port}", "tcp_token_file": str(tmp / "token")},
     })
     d.port = port
-    try:
-        d.wait_ready()
+    with d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture()

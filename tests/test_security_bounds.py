@@ -33,11 +33,8 @@ def daemon(tmp_path_factory, tiny_model_dir):
         "max_body_bytes": 2 * 1024 * 1024, "header_timeout_s": 1.0, "body_timeout_s": 1.0,
         "tcp": f"127.0.0.1:{port}", "tcp_token_file": str(tmp / "token")}})
     d.port = port
-    try:
-        d.wait_ready()
+    with d:
         yield d
-    finally:
-        d.stop()
 
 
 def _rss(daemon) -> int:

@@ -31,10 +31,9 @@ def daemon(tmp_path_factory, tiny_model_dir):
         "server": {"socket_mode": "0666"},  # a socket shared with every local user (as with socket_group)
     })
     try:
-        d.wait_ready()
-        yield d
+        with d:
+            yield d
     finally:
-        d.stop()
         remove(sockdir)
 
 

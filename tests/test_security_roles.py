@@ -39,10 +39,9 @@ def daemon(tmp_path_factory, tiny_model_dir):
         "tcp_token_file": str(tmp / "token"), "admin_token_file": str(tmp / "admin-token")}})
     d.port = port
     try:
-        d.wait_ready()
-        yield d
+        with d:
+            yield d
     finally:
-        d.stop()
         remove(sockdir)
 
 
