@@ -4,6 +4,7 @@ their KV pools, what /admin/status says on a machine without CUDA, and the confi
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -62,7 +63,9 @@ def test_two_models_take_turns_under_the_arbiter(two_models):
         assert st["sharing"]["name"] == "none"
         text = (await client.get("/metrics")).text
         assert 'gpuserv_arbiter_run_seconds_total{model_name="tiny"}' in text
-        assert 'gpuserv_arbiter_duty{model_name="tiny2"} 1.0' in text
+        # its duty is a live AIMD value (a slow step on a loaded machine throttles it): the series is there, in range
+        duty = float(re.search(r'^gpuserv_arbiter_duty\{model_name="tiny2"\} (\S+)$', text, re.M).group(1))
+        assert 0.05 <= duty <= 1.0
         assert 'gpuserv_memory_quota_bytes{model_name="tiny"}' in text
 
     run_in_app(check, config(), load=["tiny", "tiny2"])
