@@ -278,6 +278,17 @@ def test_cache_hit_rate_low_quiet():
     assert "weight_cache" in missing_inputs(rule, w)[0]
 
 
+def test_cache_hit_rate_low_quiet_when_the_misses_are_first_loads():
+    # three models, a device tier of three: 3 misses in 26 lookups (0.885) are each model's first load,
+    # which no bigger cache avoids
+    sample = cache(NOW, 23, 3)
+    sample["device"]["cache_size"] = 3
+    w = window(weight_cache=[sample], events=cyclic_trace(26))
+    assert cache_hit_rate_low(w, None, TH) is None
+    sample["device"]["cache_size"] = 2  # a tier of two would miss more: raising it to 3 is the advice
+    assert cache_hit_rate_low(w, None, TH)["suggested_cache_size"] == 3
+
+
 def evict_then_burst(unload_reason="evicted", load_at=NOW - 80):
     kind = "model_evict" if unload_reason == "evicted" else "model_unload"  # the weight cache's event
     return ([{"type": kind, "t": NOW - 100, "model": "x", "for": "y", "reason": unload_reason}]

@@ -71,8 +71,11 @@ def cache_hit_rate_low(w: Window, model: None, th: Thresholds) -> dict | None:
         return None
     trace = [e["model"] for e in w.recent_events("request_finished", th.event_span_s) if e.get("model")]
     size, size_rate = lru_size_for(trace, alert) if trace else (None, None)
+    cache_size = (last.get("device") or {}).get("cache_size")
+    if size is not None and cache_size is not None and size <= cache_size:
+        return None  # the cache already holds every model the traffic asks for: its misses are first loads
     return {"tier": worst[0], "hit_rate": r3(worst[1]), "hits": worst[2], "misses": worst[3], "threshold": alert,
-            "cache_size": (last.get("device") or {}).get("cache_size"), "suggested_cache_size": size,
+            "cache_size": cache_size, "suggested_cache_size": size,
             "suggested_hit_rate": r3(size_rate) if size_rate is not None else None, "num_requests": len(trace),
             "num_models": len(set(trace))}
 
