@@ -31,6 +31,27 @@ def test_lru_eviction_respects_pinned_busy_and_keep_alive():
         c.plan_device_load("huge", 2000, busy=set())
 
 
+def test_a_requests_keep_alive_guards_its_model_until_it_runs_out():
+    # the daemon's view: model -> seconds its last request's keep_alive still holds (no config keep_alive here)
+    c = WeightCache(CacheConfig(cache_size=2), device_budget=1000)
+    for m, t in (("a", 1), ("b", 2)):
+        c.device_loaded(m, 100)
+        c.device[m].last_used = t
+    assert c.plan_device_load("c", 100, busy=set(), kept={}) == ["a"]  # plain LRU
+    assert c.plan_device_load("c", 100, busy=set(), kept={"a": 30.0}) == ["b"]  # a is kept: the next one goes
+    with pytest.raises(CacheFull, match="first keep_alive in the way ends in 12 s") as full:
+        c.plan_device_load("c", 100, busy=set(), kept={"a": 30.0, "b": 12.0})
+    assert full.value.retry_after_s == 12.0
+    assert c.plan_device_load("c", 100, busy=set(), kept={"a": -0.5, "b": 12.0}) == ["a"]  # a's ran out
+    with pytest.raises(CacheFull) as full:
+        c.plan_device_load("c", 100, busy={"a"}, kept={"b": 12.0})
+    assert full.value.retry_after_s == 12.0
+    c.set_pinned("b", True)
+    with pytest.raises(CacheFull) as full:
+        c.plan_device_load("c", 100, busy={"a"}, kept={})
+    assert full.value.retry_after_s is None  # pinned and busy: no keep_alive to wait out
+
+
 def test_byte_budget_evicts_until_it_fits():
     c = WeightCache(CacheConfig(cache_size=10), device_budget=1000)
     for m, t in (("a", 1), ("b", 2), ("c", 3)):

@@ -98,3 +98,45 @@ def test_a_bad_keep_alive_is_a_400_naming_the_field(daemon):
         r = c.post("/v1/completions", json={"model": "tiny4", "prompt": "hi", "max_tokens": 2, "keep_alive": "soon"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
     assert "a duration like" in r.json()["error"]["message"]
+
+
+# ---- the eviction guard: a device of one model, and a second model asked for -------------------------------
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, tiny_model_dir):
+    """A daemon whose device tier holds one model, with no keep_alive of its own (cache.keep_alive_s -1)."""
+    tmp = tmp_path_factory.mktemp("keep-alive-full")
+    home = make_home(tmp, tiny_model_dir, names=("one", "two"))
+    d = DaemonProcess(tmp, home, config={"server": {"models": []}, "cache": {"cache_size": 1, "host_bytes": "64MiB"}})
+    try:
+        d.wait_ready(600)
+        yield d
+    finally:
+        d.stop()
+
+
+def test_a_requests_keep_alive_holds_its_model_against_eviction(full):
+    ask(full, "one", keep_alive="30s")
+    with full.http(timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": "two", "prompt": "hi", "max_tokens": 2})
+    # the device is full for as long as one's keep_alive lasts: a 503 that says when to come back, not a 404
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "device_full" and "one are pinned, busy or kept alive" in err["message"]
+    assert 20 <= int(r.headers["Retry-After"]) <= 30
+    assert model(full, "one") is not None and model(full, "two") is None
+    assert "evicting model one" not in full.log
+    # a shorter keep_alive on one's next request: once it runs out one leaves by itself and two loads
+    ask(full, "one", keep_alive=1)
+    wait_until(lambda: model(full, "one") is None, 30, what="one to leave after its 1 s keep_alive")
+    ask(full, "two")
+    assert model(full, "two") is not None
+
+
+def test_keep_alive_forever_stops_the_timer_but_not_eviction(full):
+    # -1 means "do not unload me when idle", not a pin: as in Ollama, the model still makes room when another
+    # needs the device; only an operator's pin holds a model against that
+    ask(full, "one", keep_alive=-1)
+    ask(full, "two", keep_alive=-1)
+    assert model(full, "two") is not None and model(full, "one") is None
+    assert "evicting model one from the device to make room for two" in full.log

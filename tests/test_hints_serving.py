@@ -5,7 +5,6 @@ cache and arbiter, every event on the daemon's bus reaching its HintMonitor, and
 - cache_hit_rate_low and load_after_evict: three models through a device tier of one (cache_size 1), asked
   for in turn, then a burst of requests for the model just evicted; the same traffic with room for all three
   leaves both quiet.
-- timeslice_overhead: see its test.
 
 tests/test_hints_engine.py lists where the other rules fire, and the ones a CPU cannot produce.
 """

@@ -1,21 +1,19 @@
 """The models the daemon hosts: slots, loads, pins, eviction, device routing, prefetch, workers.
 
-Each model has a `ModelSlot`; its engine runs on its own EngineLoop thread, or
-in an engine worker process (`engine.isolation: process`) behind a WorkerLoop.
-A load picks the fastest weight tier (weights/sources.py), makes room on a
-device by evicting least recently used idle models (an LRU with a size limit), and builds the engine
-where it will be stepped.
+Each model has a `ModelSlot`; its engine runs on its own EngineLoop thread, or in an engine worker process
+(`engine.isolation: process`) behind a WorkerLoop. A load picks the fastest weight tier (weights/sources.py),
+makes room on a device by evicting least recently used idle models (an LRU with a size limit; a model inside
+its keep_alive stays, and a load that finds no room is a 503 until then), and builds the engine where it
+will be stepped.
 
-Devices: `engine.devices` lists the daemon's devices (empty = the one
-`engine.device`). Every slot carries the device it runs on; a request for a
-model resident on a device goes there (a hit), and a load goes to the device
-`routing.choose_device` picks from the weight cache's per-device plans (no
-eviction first, then fewer bytes and models to evict, then the lighter load,
-then the lower index). A model runs on one device at a time; a variant runs
-where its base's weights are.
+Devices: `engine.devices` lists the daemon's devices (empty = the one `engine.device`). Every slot
+carries the device it runs on; a request for a model resident on a device goes there (a hit), and a load
+goes to the device `routing.choose_device` picks from the weight cache's per-device plans (no eviction
+first, then fewer bytes and models to evict, then the lighter load, then the lower index). A model runs
+on one device at a time; a variant runs where its base's weights are.
 
-Ending a model's requests (before an unload or an eviction) belongs to the
-request side: the owner passes `end_requests(slot, timeout)`.
+Ending a model's requests (before an unload or an eviction) belongs to the request side: the owner passes
+`end_requests(slot, timeout)`.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from gpuservd.serving.routing import VersionRouter, pick_plan
 from gpuservd.runner.model_config import load_arch
 from gpuservd.sharing.manager import SharingManager
 from gpuservd.store.store import ModelStore
-from gpuservd.weights.cache import WeightCache
+from gpuservd.weights.cache import CacheFull, WeightCache
 from gpuservd.weights.prefetch import HitRateWatch, PrefetchStats, Predictor
 from gpuservd.weights.sources import WeightSources
 from gpuservd.worker.build import make_engine
@@ -72,6 +70,7 @@ class Models:
         self.cache = WeightCache(config.cache, config.engine.device_memory_bytes, self.devices)
         self.sources = WeightSources(self.cache, lambda: config.engine, config.cache.compression)
         self._load_failed_at: dict[str, float] = {}  # model -> monotonic time its last load failed
+        self._device_full: dict[str, CacheFull] = {}  # model -> why its last load found no room (none loading)
         self._load_tasks: dict[str, asyncio.Future] = {}  # on-demand loads in progress
         self.load_waiters: dict[str, int] = {}  # model -> requests waiting for its load (counted as waiting)
         self.router = VersionRouter(config.server.versions)
@@ -148,6 +147,8 @@ class Models:
             left = self.load_waiters.pop(name) - 1
             if left:
                 self.load_waiters[name] = left
+        if name not in self.slots and (full := self._device_full.get(name)) is not None:  # the device is full
+            raise ModelUnavailable(str(full), code="device_full", retry_after_s=max(1, round(full.retry_after_s or 5)))
 
     def _watch_hit_rate(self, name: str, hit: bool) -> None:
         """A device hit rate under cache.hit_rate_alert over the last lookups publishes one
@@ -298,11 +299,11 @@ class Models:
         if self.metrics is not None:
             self.metrics.add_model(name)
         slot.loop = loop
-        slot.state = "ready"
+        slot.state, slot.last_active = "ready", time.monotonic()  # its keep_alive counts from when it serves
         slot.loaded.set()
         slot.weights_bytes = facts.weights_bytes  # a variant's: its delta alone
         self.cache.device_loaded(name, slot.weights_bytes, slot.pinned, base=base, device=slot.device)
-        self._load_failed_at.pop(name, None)
+        self._load_failed_at.pop(name, None), self._device_full.pop(name, None)
         delta_read = getattr(sources[0], "bytes_read", 0) if base else 0
         if base:
             self.cache.bytes_loaded["delta"] = self.cache.bytes_loaded.get("delta", 0) + delta_read
@@ -321,7 +322,11 @@ class Models:
         slot.state = "failed"
         slot.error = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
         slot.loaded.set()
-        self._load_failed_at[slot.name] = time.monotonic()
+        if isinstance(exc, CacheFull):  # no broken model, a full device: the next request tries again (a 503)
+            self.slots.pop(slot.name, None)
+            self._device_full[slot.name] = exc
+        else:
+            self._load_failed_at[slot.name] = time.monotonic()
         self.cache.device_evicted(slot.name)
         log.error("model %s failed to load: %s", slot.name, slot.error, exc_info=not isinstance(exc, UserError))
         self.bus.publish(ModelLoad(model=slot.name, phase="failed", device=slot.device or None, error=slot.error))
@@ -362,7 +367,7 @@ class Models:
         UserError when it can never fit; CacheFull when no device can make room now."""
         base = self.sources.base_of(name)
         resident = self.cache.device_of(name) or (self.cache.device_of(base) if base else None)
-        return pick_plan(self.cache.plan_options(name, need, busy), resident, self.device_load())
+        return pick_plan(self.cache.plan_options(name, need, busy, kept=self.kept_for()), resident, self.device_load())
 
     # ---- unload, pin, versions --------------------------------------------------------------------
     async def unload(self, name: str, timeout: float | None = None, force: bool = False,
@@ -388,15 +393,21 @@ class Models:
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
         return {"model": name, "num_finished": finished, "num_aborted": aborted}
 
-    # -- keep_alive: an idle model leaves the device by itself -------------------------------------------
+    # -- keep_alive: an idle model leaves the device by itself, and is not evicted before ----------------
     def keep_alive_s(self, slot: ModelSlot) -> float:
         """Its last request's keep_alive, else cache.keep_alive_s (negative: never leaves by itself)."""
         return self.config.cache.keep_alive_s if slot.keep_alive_s is None else slot.keep_alive_s
 
+    def kept_for(self) -> dict[str, float]:
+        """Model -> seconds its keep_alive still guards it from eviction (idle from its last request's end)."""
+        ka = {n: self.keep_alive_s(v) for n, v in self.slots.items()}
+        return {n: self.slots[n].last_active + k - time.monotonic() for n, k in ka.items() if k > 0}
+
     def unload_in_s(self, slot: ModelSlot, now: float | None = None) -> float | None:
         """Seconds until an idle model leaves by itself; None while it works, is pinned, or stays forever."""
         ka = self.keep_alive_s(slot)
-        if ka < 0 or slot.pinned or slot.state != "ready" or slot.num_in_flight or slot.num_queued:
+        if ka < 0 or slot.pinned or slot.state != "ready" or slot.num_in_flight or slot.num_queued \
+                or self.load_waiters.get(slot.name):  # requests that waited for its load are not admitted yet
             return None
         return max(0.0, slot.last_active + ka - (time.monotonic() if now is None else now))
 

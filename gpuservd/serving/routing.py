@@ -127,5 +127,6 @@ def pick_plan(plans: dict, resident: str | None, load: dict[str, int]):
         full = list(infeasible.values())
         if resident is not None or len(full) == 1:
             raise plans[resident] if resident is not None else full[0]
-        raise type(full[0])("; ".join(str(p) for p in full))
+        waits = [p.retry_after_s for p in full if p.retry_after_s is not None]  # the soonest keep_alive to end
+        raise type(full[0])("; ".join(str(p) for p in full), min(waits) if waits else None)
     return plans[choice.device]

@@ -56,7 +56,14 @@ class DeviceEntry:
 
 
 class CacheFull(UserError):
-    """No model can leave the device now (all pinned, busy or kept alive)."""
+    """No model can leave the device now (all pinned, busy or kept alive).
+
+    retry_after_s: when the first model in the way that is only kept alive may leave (None when every
+    one in the way is pinned or busy: room comes when a request ends or an operator unpins)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -118,24 +125,36 @@ class WeightCache:
             return self.placement.get(model) if model in self.device else None
 
     def plan_device_load(self, model: str, nbytes: int, busy: set[str], now: float | None = None,
-                         device: str | None = None) -> list[str]:
+                         device: str | None = None, kept: dict[str, float] | None = None) -> list[str]:
         """Models to evict (least recently used first) so `model` (nbytes) fits `device` (default:
         the first); raises UserError when it can never fit and CacheFull when everything in the way
-        is pinned, busy or kept alive."""
-        return self._plan(model, nbytes, busy, now, device or self.devices[0]).evict
+        is pinned, busy or kept alive. kept: model -> seconds it is still kept alive from now (the
+        daemon's view: its last request's keep_alive counted from when it went idle); without it,
+        cache.keep_alive_s counted from each model's last lookup."""
+        return self._plan(model, nbytes, busy, now, device or self.devices[0], kept).evict
 
-    def plan_options(self, model: str, nbytes: int, busy: set[str], now: float | None = None) -> dict:
+    def plan_options(self, model: str, nbytes: int, busy: set[str], now: float | None = None,
+                     kept: dict[str, float] | None = None) -> dict:
         """Per device: its DevicePlan, or the CacheFull that says why it cannot take `model` now
         (a model larger than the tier raises UserError: no device can ever take it)."""
         out: dict[str, DevicePlan | CacheFull] = {}
         for d in self.devices:
             try:
-                out[d] = self._plan(model, nbytes, busy, now, d)
+                out[d] = self._plan(model, nbytes, busy, now, d, kept)
             except CacheFull as exc:
                 out[d] = exc
         return out
 
-    def _plan(self, model: str, nbytes: int, busy: set[str], now: float | None, device: str) -> DevicePlan:
+    def _kept_s(self, m: str, e: DeviceEntry, now: float, kept: dict[str, float] | None) -> float:
+        """Seconds `m` is still kept alive (<= 0: it may be evicted). A negative keep_alive (forever)
+        means no idle timer, not a guard: as in Ollama, such a model still makes room under pressure;
+        only a pin holds a model against it."""
+        if kept is not None:
+            return kept.get(m, 0.0)
+        return self.config.keep_alive_s - (now - e.last_used) if self.config.keep_alive_s > 0 else 0.0
+
+    def _plan(self, model: str, nbytes: int, busy: set[str], now: float | None, device: str,
+              kept: dict[str, float] | None = None) -> DevicePlan:
         now = time.monotonic() if now is None else now
         if nbytes > self.device_budget:
             raise UserError(f"model {model} needs {nbytes / 1e6:.1f} MB of weights but the device tier holds "
@@ -154,11 +173,16 @@ class WeightCache:
                 e = item[1]
                 return max([e.last_used] + [others[h].last_used for h in e.holders if h in others])
 
+            alive: list[float] = []  # seconds left of each kept-alive model passed over
             for m, e in sorted(others.items(), key=recency):
                 if count + 1 <= self.config.cache_size and used + nbytes <= self.device_budget:
                     break
-                if not e.engine or e.pinned or m in busy or now - e.last_used < self.config.keep_alive_s:
+                if not e.engine or e.pinned or m in busy:
                     continue  # a held base leaves with its last variant, below
+                left = self._kept_s(m, e, now, kept)
+                if left > 0:
+                    alive.append(left)
+                    continue
                 evict.append(m)
                 count -= 1
                 if not e.holders - set(evict):
@@ -169,8 +193,10 @@ class WeightCache:
             if count + 1 > self.config.cache_size or used + nbytes > self.device_budget:
                 held = ", ".join(sorted(others)) or "nothing"
                 where = f"device {device}" if len(self.devices) > 1 else "the device"
+                soonest = f"; the first keep_alive in the way ends in {min(alive):.0f} s" if alive else ""
                 raise CacheFull(f"no room on {where} for model {model}: {held} are pinned, busy or kept "
-                                f"alive (cache_size {self.config.cache_size}, {self.device_budget / 1e6:.0f} MB)")
+                                f"alive (cache_size {self.config.cache_size}, {self.device_budget / 1e6:.0f} MB)"
+                                f"{soonest}", min(alive) if alive else None)
             return DevicePlan(device, evict, used0 - used)
 
     def reserve(self, model: str, device: str, nbytes: int) -> None:
