@@ -19,8 +19,10 @@ from gpuservd.errors import StoreCorrupt
 from gpuservd.runner.linear import Linear, onednn_available
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.model_weights import LayerGate, LayerWeights, ModelWeights
+from gpuservd.runner.pipeline import GroupReader
 from gpuservd.runner.qtensor import QTensor
 from gpuservd.store.readahead import FileReadahead
+from gpuservd.store.tensor_file import TensorFile
 
 
 class SafetensorsReader:
@@ -54,6 +56,7 @@ class SafetensorsReader:
                 self.name_to_shard[name] = shard
 
         self._readahead: dict[str, FileReadahead] = {}  # per shard, made on the first prefetch
+        self._files: dict[str, TensorFile] = {}  # per shard, made on the first read_group
 
     def has(self, name: str) -> bool:
         return name in self.name_to_shard
@@ -76,10 +79,33 @@ class SafetensorsReader:
         return list(self._handles[self.name_to_shard[name]].get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
+        return self._handles[self._shard(name)].get_tensor(name)
+
+    def _shard(self, name: str) -> str:
         shard = self.name_to_shard.get(name)
         if shard is None:
             raise StoreCorrupt(f"{self.model_dir}: tensor {name!r} is in no weight file")
-        return self._handles[shard].get_tensor(name)
+        return shard
+
+    def _file(self, shard: str) -> TensorFile:
+        if shard not in self._files:
+            self._files[shard] = TensorFile(self.model_dir / shard)
+        return self._files[shard]
+
+    def read_group(self, names, pin: bool = False) -> list[torch.Tensor]:
+        """The named tensors read from the disk into fresh (pinned when asked) memory, as parts whose
+        concatenation by rows is what the loader places: one tensor when they lie in one shard
+        (read straight into it), else one per name. Positioned reads: the GIL is free meanwhile."""
+        shards = {self._shard(n) for n in names}
+        if len(shards) == 1:
+            f = self._file(shards.pop())
+            return [f.read_rows(names, pin) if len(names) > 1 else f.read(names[0], pin)]
+        return [self._file(self._shard(n)).read(n, pin) for n in names]
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read by read_group so far (the memory-mapped get() is not counted)."""
+        return sum(f.bytes_read for f in self._files.values())
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -89,13 +115,17 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Te
 class Upload:
     """How one load's tensors reach the device.
 
-    CPU (the device tier is RAM): read, concatenate, cast. CUDA: each tensor is gathered into pinned
-    host memory and copied on a side stream, so the copies run beside the forward of a layered
-    load's first layers; a source that holds INT8 (`get_stored` returns a QTensor: the INT8 file,
-    a compressed host copy) sends its int8 bytes and scales, and they are expanded to the compute
+    CPU (the device tier is RAM): read, expand or cast, each part straight into its rows of the fused
+    tensor. CUDA: each tensor is gathered into pinned host memory (a pipelined read lands there
+    already) and copied on a side stream, so the copies run beside the forward of a layered load's
+    first layers; a source that holds INT8 (`get_stored` returns a QTensor: the INT8 file, a
+    compressed host copy) sends its int8 bytes and scales, and they are expanded to the compute
     dtype on the GPU (a quarter of fp32's bytes cross the link). Outputs are allocated on the
     caller's stream, so the compute stream owns their memory. `wait()` returns once every copy
-    enqueued so far has landed; a layer is marked ready only after it."""
+    enqueued so far has landed; a layer is marked ready only after it.
+
+    `ready` holds parts a reader thread has already read (pipeline.py), keyed by their names; a
+    tensor not there is read now, through the source's get_stored / get."""
 
     def __init__(self, reader, device: torch.device):
         self.reader = reader
@@ -103,15 +133,17 @@ class Upload:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._held: list[torch.Tensor] = []  # pinned sources of copies in flight
+        self.ready: dict[tuple[str, ...], list] = {}
 
     def tensor(self, names, dtype: torch.dtype) -> torch.Tensor:
         """The named tensors, concatenated along dim 0 (fused q/k/v, gate/up), on the device in dtype."""
-        names = [names] if isinstance(names, str) else list(names)
-        stored = getattr(self.reader, "get_stored", self.reader.get)
-        parts = [stored(n) for n in names]
-        if not self.cuda:  # INT8 expanded straight into the compute dtype
-            parts = [p.dequantize(dtype) if isinstance(p, QTensor) else p for p in parts]
-            return _cast(parts[0] if len(parts) == 1 else torch.cat(parts), dtype, self.device)
+        names = (names,) if isinstance(names, str) else tuple(names)
+        parts = self.ready.pop(names, None)
+        if parts is None:
+            stored = getattr(self.reader, "get_stored", self.reader.get)
+            parts = [stored(n) for n in names]
+        if not self.cuda:
+            return _place_cpu(parts, dtype, self.device)
         if all(isinstance(p, QTensor) for p in parts) and len({(p.group_size, p.minimum is None) for p in parts}) == 1:
             q, scale = self._send([p.q for p in parts]), self._send([p.scale for p in parts])
             low = None if parts[0].minimum is None else self._send([p.minimum for p in parts])
@@ -127,9 +159,12 @@ class Upload:
         return out
 
     def _pinned(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
-        buf = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
-        torch.cat(parts, out=buf) if len(parts) > 1 else buf.copy_(parts[0])
+        if len(parts) == 1 and parts[0].is_pinned() and parts[0].is_contiguous():
+            buf = parts[0]  # read into pinned memory by the reader thread: no second copy
+        else:
+            shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+            buf = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
+            torch.cat(parts, out=buf) if len(parts) > 1 else buf.copy_(parts[0])
         self._held.append(buf)
         return buf
 
@@ -145,24 +180,57 @@ class Upload:
             self._held.clear()
 
 
+def _place_cpu(parts: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Parts (tensors or QTensors) concatenated by rows in dtype: each part expanded or cast straight
+    into its rows (one pass; INT8 expanded into the compute dtype without an fp32 intermediate)."""
+    if len(parts) == 1 and not isinstance(parts[0], QTensor):
+        return _cast(parts[0], dtype, device)
+    shapes = [p.q.shape if isinstance(p, QTensor) else p.shape for p in parts]
+    out = torch.empty((sum(s[0] for s in shapes),) + tuple(shapes[0][1:]), dtype=dtype, device=device)
+    row = 0
+    for p, shape in zip(parts, shapes):
+        rows = out[row:row + shape[0]]
+        p.dequantize(dtype, out=rows) if isinstance(p, QTensor) else rows.copy_(p)
+        row += shape[0]
+    return out
+
+
+def layer_groups(arch: ModelArch, i: int) -> dict[str, tuple[str, ...]]:
+    """Decoder layer i's placed tensors: {what: the checkpoint names fused into it, by rows}."""
+    p = f"model.layers.{i}."
+    groups = {
+        "input_norm": (p + "input_layernorm.weight",),
+        "qkv": tuple(f"{p}self_attn.{n}_proj.weight" for n in "qkv"),
+        "o_proj": (p + "self_attn.o_proj.weight",),
+        "post_norm": (p + "post_attention_layernorm.weight",),
+        "gate_up": (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        "down": (p + "mlp.down_proj.weight",),
+    }
+    if arch.qkv_bias:
+        groups["qkv_bias"] = tuple(f"{p}self_attn.{n}_proj.bias" for n in "qkv")
+    return groups
+
+
+def outside_groups(reader, arch: ModelArch) -> tuple[dict[str, tuple[str, ...]], bool]:
+    """({what: names} of the tensors outside the layers, whether the LM head is the embedding)."""
+    tied = not (reader.has("lm_head.weight") and not arch.tie_word_embeddings)
+    groups = {"embed": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",)}
+    if not tied:
+        groups["lm_head"] = ("lm_head.weight",)
+    return groups, tied
+
+
 def load_layer(up: Upload, arch: ModelArch, i: int, dtype, onednn: bool) -> LayerWeights:
     """Read and fuse one decoder layer (its copies may still be in flight on CUDA: `up.wait()`)."""
-    p = f"model.layers.{i}."
-
-    def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear:
-        w = up.tensor([p + n for n in names], dtype)
-        b = up.tensor([p + n for n in bias], dtype) if bias else None
-        return Linear(w, b, onednn)
-
-    qkv_names = tuple(f"self_attn.{n}_proj.weight" for n in "qkv")
-    qkv_bias = tuple(f"self_attn.{n}_proj.bias" for n in "qkv") if arch.qkv_bias else ()
+    g = layer_groups(arch, i)
+    bias = up.tensor(g["qkv_bias"], dtype) if "qkv_bias" in g else None
     return LayerWeights(
-        input_norm=up.tensor(p + "input_layernorm.weight", dtype),
-        qkv=lin(*qkv_names, bias=qkv_bias),
-        o_proj=lin("self_attn.o_proj.weight"),
-        post_norm=up.tensor(p + "post_attention_layernorm.weight", dtype),
-        gate_up=lin("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        down=lin("mlp.down_proj.weight"),
+        input_norm=up.tensor(g["input_norm"], dtype),
+        qkv=Linear(up.tensor(g["qkv"], dtype), bias, onednn),
+        o_proj=Linear(up.tensor(g["o_proj"], dtype), None, onednn),
+        post_norm=up.tensor(g["post_norm"], dtype),
+        gate_up=Linear(up.tensor(g["gate_up"], dtype), None, onednn),
+        down=Linear(up.tensor(g["down"], dtype), None, onednn),
     )
 
 
@@ -178,64 +246,91 @@ def expected_bytes(source, dtype: torch.dtype) -> int:
     return total
 
 
-READ_AHEAD_LAYERS = 2  # layers whose bytes are asked for ahead of the one being loaded
+READ_AHEAD_LAYERS = 2  # layers whose bytes are asked for ahead of the one being loaded (no reader thread)
+
+
+def _layer_names(reader, n: int) -> tuple[list[list[str]], list[str]]:
+    """(each layer's tensor names, the names outside the layers) of a source."""
+    by_layer: list[list[str]] = [[] for _ in range(n)]
+    others = []
+    for name in reader.names():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < n:
+            by_layer[int(parts[2])].append(name)
+        else:
+            others.append(name)
+    return by_layer, others
 
 
 def load_weights(
     source, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None,
-    initial_layers: int | None = None, on_layer=None,
+    initial_layers: int | None = None, on_layer=None, pipeline: bool = True,
 ) -> ModelWeights:
     """Load a model into the runner's layout from a model directory or a tensor source (get / has).
 
     initial_layers=k (layered loading: prefill starts before the whole model is in): return once
     layers [0, k) are in; the others load on a background thread, and the runner waits per layer
     (ModelWeights.layer). on_layer(i, seconds) is called as each layer lands (progress for status
-    and events)."""
+    and events). pipeline: a source that reads from the disk (read_group) is read on a reader thread
+    ahead of the loader (pipeline.py); False reads each tensor where it is placed (the reference the
+    tests compare the pipeline with)."""
     if onednn is None:
         onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
     up = Upload(reader, device)
     n = arch.num_layers
+    outside, tied = outside_groups(reader, arch)
+    reads: GroupReader | None = None
     prefetch = getattr(reader, "prefetch", None)  # a file-backed source: read ahead of the loader
-    by_layer: list[list[str]] = [[] for _ in range(n)]
+    if pipeline and hasattr(reader, "read_group"):
+        groups = [list(outside.values())] + [list(layer_groups(arch, i).values()) for i in range(n)]
+        reads = GroupReader(reader, groups, pin=up.cuda)
+        prefetch = None  # the reader thread asks for each group's bytes ahead of its own reads
+    by_layer: list[list[str]] = []
     if prefetch is not None:
-        others = []
-        for name in reader.names():
-            parts = name.split(".")
-            if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < n:
-                by_layer[int(parts[2])].append(name)
-            else:
-                others.append(name)
+        by_layer, others = _layer_names(reader, n)
         prefetch(others + by_layer[0] + (by_layer[1] if n > 1 else []))
-    embed = up.tensor("model.embed_tokens.weight", dtype)
-    tied = not (reader.has("lm_head.weight") and not arch.tie_word_embeddings)
-    if not tied:
-        lm_head = Linear(up.tensor("lm_head.weight", dtype), None, onednn)
-    else:
-        lm_head = Linear(embed, None, onednn)
-        if lm_head.packed is not None:
-            embed = None  # one copy: the packed head; embedding rows are read out of it
-    final_norm = up.tensor("model.norm.weight", dtype)
-    up.wait()
+
+    def take() -> None:
+        if reads is not None:
+            up.ready = reads.take()
 
     def load(i: int) -> LayerWeights:
         t0 = time.perf_counter()
         if prefetch is not None and i + READ_AHEAD_LAYERS < n:
             prefetch(by_layer[i + READ_AHEAD_LAYERS])
+        take()
         lw = load_layer(up, arch, i, dtype, onednn)
         up.wait()
         if on_layer is not None:
             on_layer(i, time.perf_counter() - t0)
         return lw
 
-    if initial_layers is None or initial_layers >= n:
-        return ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)], tied=tied)
-    layers: list[LayerWeights | None] = [None] * n
-    gate = LayerGate(n)
-    for i in range(max(0, initial_layers)):
-        layers[i] = load(i)
-        gate.set(i)
-
+    try:
+        take()
+        embed = up.tensor(outside["embed"], dtype)
+        if not tied:
+            lm_head = Linear(up.tensor(outside["lm_head"], dtype), None, onednn)
+        else:
+            lm_head = Linear(embed, None, onednn)
+            if lm_head.packed is not None:
+                embed = None  # one copy: the packed head; embedding rows are read out of it
+        final_norm = up.tensor(outside["final_norm"], dtype)
+        up.wait()
+        if initial_layers is None or initial_layers >= n:
+            full = ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)], tied=tied)
+            if reads is not None:
+                reads.close()  # it has ended: every group was taken
+            return full
+        layers: list[LayerWeights | None] = [None] * n
+        gate = LayerGate(n)
+        for i in range(max(0, initial_layers)):
+            layers[i] = load(i)
+            gate.set(i)
+    except BaseException:
+        if reads is not None:
+            reads.close()
+        raise
     def rest():
         try:
             for i in range(max(0, initial_layers), n):
@@ -243,6 +338,10 @@ def load_weights(
                 gate.set(i)
         except BaseException as exc:  # the runner raises it where it waits for the layer
             gate.fail(exc)
+        finally:
+            if reads is not None:
+                reads.close()
+            up.ready = {}
 
     weights = ModelWeights(embed, final_norm, lm_head, layers, gate, expected_bytes(reader, dtype), tied=tied)
     threading.Thread(target=rest, name="layered-load", daemon=True).start()

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from gpuservd.errors import StoreCorrupt
 from gpuservd.store.readahead import FileReadahead
+from gpuservd.store.tensor_file import TensorFile
 from gpuservd.weights.quant import ASYMMETRIC, GROUP_SIZE, QTensor, quantizable, quantize_int8
 
 log = logging.getLogger("gpuservd.weights")
@@ -138,6 +139,7 @@ class Int8Reader:
         self._min = {k[:-4] for k in keys if k.endswith(".min")}
         self.bytes_read = 0
         self._readahead = FileReadahead(self.path)
+        self._file = TensorFile(self.path)  # positioned reads (the GIL free meanwhile) for the loader
 
     def names(self) -> list[str]:
         return sorted(self._q | self._plain)
@@ -159,10 +161,26 @@ class Int8Reader:
         return list(self._f.get_slice(key).get_shape())
 
     def _qtensor(self, name: str) -> QTensor:
-        qt = QTensor(self._f.get_tensor(name + ".q"), self._f.get_tensor(name + ".scale"), self.group_size,
-                     self._f.get_tensor(name + ".min") if name in self._min else None)
+        read = self._file.read
+        qt = QTensor(read(name + ".q"), read(name + ".scale"), self.group_size,
+                     read(name + ".min") if name in self._min else None)
         self.bytes_read += qt.nbytes
         return qt
+
+    def read_group(self, names, pin: bool = False) -> list:
+        """The named tensors as stored, read from the disk (positioned reads: a reader thread's, beside
+        the loader; runner/pipeline.py): a QTensor per INT8 matrix, else the tensor (pinned when asked)."""
+        parts = []
+        for name in names:
+            if name in self._q:
+                parts.append(self._qtensor(name))
+            elif name in self._plain:
+                t = self._file.read(name, pin)
+                self.bytes_read += t.numel() * t.element_size()
+                parts.append(t)
+            else:
+                raise StoreCorrupt(f"{self.path}: tensor {name!r} is not in the INT8 weights")
+        return parts
 
     def get_stored(self, name: str):
         """As stored: a QTensor for an INT8 matrix (expanded on the device by the loader), else the tensor."""
