@@ -18,6 +18,12 @@ def test_cold_start_bench_writes_all_strategies(tmp_path, monkeypatch, tiny_mode
     for s in STRATEGIES:
         assert 0 < r["summary"][s]["engine_ready_s"] <= r["summary"][s]["ttft_s"]
         assert r["summary"][s]["read_floor_s"] > 0  # the disk's own time for the bytes each strategy reads
+        v = r["summary"][s]
+        assert v["ttft_vs_read_floor"] == v["ttft_s"] / v["read_floor_s"] and v["warm_ttft_s"] > 0
+        assert all(run["cached_before"] <= 0.5 for run in r["runs"][s])  # the cache really was dropped
+    # the bytes read are counted by the loads themselves: the tensors' bytes, not the files' sizes
+    model_file = ModelStore().path("tiny") / "model.safetensors"
+    assert 0.99 * model_file.stat().st_size < r["summary"]["full"]["bytes_read"] < model_file.stat().st_size
     # The INT8 file moves about a quarter of the fp32 bytes.
     assert r["summary"]["layered+int8"]["bytes_read"] < 0.35 * r["summary"]["full"]["bytes_read"]
     # Group-wise INT8 keeps the model's own next token at nearly every position (94.8% on this random

@@ -9,6 +9,7 @@ partial-layer swap moves whole per-layer slabs.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +48,19 @@ def cache_shape(arch: KVShapeSource, block_size: int, dtype: torch.dtype) -> Cac
     return CacheShape(arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
 
 
+def _lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are zeroed by the kernel when first touched (anonymous memory),
+    so a pool of gigabytes costs nothing until its blocks are used; torch.zeros writes every byte up
+    front, on the path of a cold start."""
+    numel = 1
+    for d in dims:
+        numel *= d
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(dims, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(dims)  # the tensor keeps the map alive
+
+
 class KVCache:
     """Device KV storage plus the block pool that hands out its blocks."""
 
@@ -56,11 +70,11 @@ class KVCache:
         self.pool = BlockPool(num_blocks)
         # kv: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]. Zero-filled, not
         # empty: masked-out slots are multiplied by a zero probability, and 0 * NaN garbage is NaN.
-        self.kv = torch.zeros(
-            (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype,
-            device=device,
-        )
+        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        if device.type == "cpu":
+            self.kv = _lazy_zeros(dims, shape.dtype)
+        else:
+            self.kv = torch.zeros(dims, dtype=shape.dtype, device=device)
 
     @classmethod
     def from_budget(cls, shape: CacheShape, budget_bytes: int, device: torch.device) -> "KVCache":

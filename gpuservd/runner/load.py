@@ -8,6 +8,7 @@ runner waits per layer (LayerGate).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -247,6 +248,11 @@ def expected_bytes(source, dtype: torch.dtype) -> int:
 
 
 READ_AHEAD_LAYERS = 2  # layers whose bytes are asked for ahead of the one being loaded (no reader thread)
+PIPELINE_SWITCH = "GPUSERV_LOAD_PIPELINE"  # =0: no reader thread (the A/B reference for the cold-start bench)
+
+
+def pipeline_enabled() -> bool:
+    return os.environ.get(PIPELINE_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _layer_names(reader, n: int) -> tuple[list[list[str]], list[str]]:
@@ -264,7 +270,7 @@ def _layer_names(reader, n: int) -> tuple[list[list[str]], list[str]]:
 
 def load_weights(
     source, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None,
-    initial_layers: int | None = None, on_layer=None, pipeline: bool = True,
+    initial_layers: int | None = None, on_layer=None, pipeline: bool | None = None,
 ) -> ModelWeights:
     """Load a model into the runner's layout from a model directory or a tensor source (get / has).
 
@@ -273,7 +279,7 @@ def load_weights(
     (ModelWeights.layer). on_layer(i, seconds) is called as each layer lands (progress for status
     and events). pipeline: a source that reads from the disk (read_group) is read on a reader thread
     ahead of the loader (pipeline.py); False reads each tensor where it is placed (the reference the
-    tests compare the pipeline with)."""
+    tests compare the pipeline with); None: on unless GPUSERV_LOAD_PIPELINE=0."""
     if onednn is None:
         onednn = onednn_available(device, dtype)
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
@@ -282,6 +288,8 @@ def load_weights(
     outside, tied = outside_groups(reader, arch)
     reads: GroupReader | None = None
     prefetch = getattr(reader, "prefetch", None)  # a file-backed source: read ahead of the loader
+    if pipeline is None:
+        pipeline = pipeline_enabled()
     if pipeline and hasattr(reader, "read_group"):
         groups = [list(outside.values())] + [list(layer_groups(arch, i).values()) for i in range(n)]
         reads = GroupReader(reader, groups, pin=up.cuda)
