@@ -150,6 +150,9 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
         for strategy in STRATEGIES:  # interleaved, so drift hits every strategy alike
             runs[strategy].append(_cold_run(model, model_dir, cfg, strategy, initial_layers, prompt, files, device))
             r = runs[strategy][-1]
+            if r["cached_before"] > 0.05:
+                log(f"  warning: {100 * r['cached_before']:.0f}% of a weight file stayed in the page cache: another "
+                    "process maps it (a daemon or bench on this model); this run was not cold")
             log(f"  {strategy:>13} #{rep + 1}: ttft {r['ttft_s']:.2f} s (engine ready {r['engine_ready_s']:.2f} s, "
                 f"all layers {r['all_layers_s']:.2f} s, {r['bytes_read'] / 1e6:.0f} MB read, "
                 f"warm ttft {r['warm_ttft_s']:.2f} s, {100 * r['cached_before']:.0f}% cached before)")
@@ -171,6 +174,7 @@ def run_cold_start(model: str, out_dir: Path, prompt_tokens: int = 256, initial_
               "read_floor_runs": floors,
               "int8_quality": quality, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "load_pipeline": pipeline_enabled(),
+              "cache_dropped": all(r["cached_before"] <= 0.05 for rs in runs.values() for r in rs),
               "method": "page cache dropped (posix_fadvise DONTNEED per file; cached_before: the share of pages "
                         "mincore still saw) before each run; medians over repeats; read floor: the fastest of the "
                         "repeats at reading the strategy's files once, cache dropped; warm TTFT: the same-length "
