@@ -26,26 +26,12 @@ from gpuservd.engine.telemetry import StepRecord, Telemetry
 from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.errors import UserError
 from gpuservd.events.types import Event, LayerResume, LayerSuspend, Victim
-from gpuservd.kv_cache.swap import HostKVPool, Swapper
+from gpuservd.kv_cache.swap import HostKVPool, Swapper, host_bandwidth
 from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.decode_step import DecodeResult
 from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
 from gpuservd.store.store import ModelStore
-
-
-_HOST_BANDWIDTH: dict[str, float] = {}  # dtype -> the RAM copy bandwidth a CPU engine measured first
-
-
-def _host_bandwidth(swapper: Swapper, dtype: str) -> float | None:
-    """The CPU's swap bandwidth (a memory copy): measured by the first engine of the process and kept,
-    so an engine built for a cold request does not pay for the probe (real swaps refine it)."""
-    if dtype not in _HOST_BANDWIDTH:
-        measured = swapper.probe_bandwidth()
-        if measured is None:
-            return None
-        _HOST_BANDWIDTH[dtype] = measured
-    return _HOST_BANDWIDTH[dtype]
 
 
 class LLMEngine:
@@ -99,7 +85,7 @@ class LLMEngine:
         # pool is still being allocated beside the load: there the first swap (assumed the cheaper kind
         # until measured) measures the link instead, through its CUDA events.
         if not cache.kv.is_cuda:
-            self.scheduler.cost.host_bandwidth = _host_bandwidth(self.swapper, config.dtype)
+            self.scheduler.cost.host_bandwidth = host_bandwidth(self.swapper, config.dtype)
         self._events: list[Event] = []  # the engine's own events (suspends, auto-mode switches) for the next StepRecord
         # Layer granularity: interrupt(priority) -> True when a request more urgent than that priority
         # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).

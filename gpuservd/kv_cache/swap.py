@@ -284,3 +284,17 @@ class Swapper:
         finally:
             self.cache.pool.free(dev)
             self.host.free(hst)
+
+
+_HOST_BANDWIDTH: dict[str, float] = {}  # dtype -> the RAM copy bandwidth the process's first CPU engine measured
+
+
+def host_bandwidth(swapper: Swapper, dtype: str) -> float | None:
+    """The CPU's swap bandwidth (a memory copy): probed by the first engine of the process and kept, so
+    an engine built for a cold request does not pay for the probe (real swaps refine the estimate)."""
+    if dtype not in _HOST_BANDWIDTH:
+        measured = swapper.probe_bandwidth()
+        if measured is None:
+            return None
+        _HOST_BANDWIDTH[dtype] = measured
+    return _HOST_BANDWIDTH[dtype]

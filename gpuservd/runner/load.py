@@ -268,6 +268,20 @@ def _layer_names(reader, n: int) -> tuple[list[list[str]], list[str]]:
     return by_layer, others
 
 
+def _load_outside(up: Upload, outside: dict, tied: bool, dtype, onednn: bool):
+    """(embedding or None, LM head, final norm), landed on the device."""
+    embed = up.tensor(outside["embed"], dtype)
+    if not tied:
+        lm_head = Linear(up.tensor(outside["lm_head"], dtype), None, onednn)
+    else:
+        lm_head = Linear(embed, None, onednn)
+        if lm_head.packed is not None:
+            embed = None  # one copy: the packed head; embedding rows are read out of it
+    final_norm = up.tensor(outside["final_norm"], dtype)
+    up.wait()
+    return embed, lm_head, final_norm
+
+
 def load_weights(
     source, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None,
     initial_layers: int | None = None, on_layer=None, pipeline: bool | None = None,
@@ -316,15 +330,7 @@ def load_weights(
 
     try:
         take()
-        embed = up.tensor(outside["embed"], dtype)
-        if not tied:
-            lm_head = Linear(up.tensor(outside["lm_head"], dtype), None, onednn)
-        else:
-            lm_head = Linear(embed, None, onednn)
-            if lm_head.packed is not None:
-                embed = None  # one copy: the packed head; embedding rows are read out of it
-        final_norm = up.tensor(outside["final_norm"], dtype)
-        up.wait()
+        embed, lm_head, final_norm = _load_outside(up, outside, tied, dtype, onednn)
         if initial_layers is None or initial_layers >= n:
             full = ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)], tied=tied)
             if reads is not None:
