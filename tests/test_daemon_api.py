@@ -469,6 +469,10 @@ def test_bench_through_the_socket_is_exact(daemon):
     reqs = [WorkloadRequest(f"r{i}", "short", 0.0, [5 + i] * (4 + i), 6 + i, model="tiny") for i in range(4)]
     run = run_socket(daemon.socket, reqs)
     assert run.extra["outputs_exact"] and run.generated_tokens == sum(6 + i for i in range(4))
+    # the daemon's CPU per streamed token (all of it, and its event loop's part) and the client's, every run
+    x = run.extra
+    assert x["daemon_cpu_s_per_token"] > 0 and 0 < x["daemon_loop_cpu_s_per_token"] <= x["daemon_cpu_s_per_token"]
+    assert x["client_cpu_s_per_token"] > 0
     assert all(t.first_token_s <= t.finish_s for t in run.requests)
 
 

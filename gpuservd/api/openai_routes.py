@@ -52,40 +52,63 @@ async def _start_all(serving: Serving, greq: GenerationRequest, ctx) -> list[Act
     return list(started)
 
 
-async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, created: int):
-    """SSE body of a streaming request: the choices' chunks as they come, then usage and [DONE]."""
+async def _batches(c: Choice):
+    """(choice, item) for one choice: item is a list of its outputs, an APIError (the engine failed mid-stream:
+    the status line is long gone) or None (it ended)."""
+    try:
+        async for outs in c.active.batches():
+            yield c, outs
+    except ServingError as exc:
+        yield c, to_api_error(exc)
+    yield c, None
+
+
+async def _merged(choices: list[Choice]):
+    """Every choice's (choice, item) as they come. One choice (the usual stream) is read directly, without
+    a task and a queue between its outputs and the response: one wake-up per engine step, not two."""
+    if len(choices) == 1:
+        async for pair in _batches(choices[0]):
+            yield pair
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: Choice):
-        try:
-            async for outs in c.active.batches():
-                await queue.put((c, outs))
-        except ServingError as exc:  # the engine failed mid-stream: the status line is long gone
-            await queue.put((c, to_api_error(exc)))
-        await queue.put((c, None))
+        async for pair in _batches(c):
+            await queue.put(pair)
 
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
     try:
-        for c in choices:
-            opening = c.opening()
-            if opening is not None:
-                yield opening
         left = len(choices)
         while left:
-            c, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif not isinstance(item, list):
-                yield responses.sse(item.body())
-            else:
-                data = c.chunk(item)
-                if data is not None:
-                    yield data
-        if greq.include_usage:
-            yield responses.sse(responses.usage_chunk(greq.kind, rid, greq.model, created, *_usage(choices)))
+            pair = await queue.get()
+            left -= pair[1] is None
+            yield pair
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, created: int):
+    """SSE body of a streaming request: the choices' chunks as they come, then usage and [DONE]."""
+    for c in choices:
+        opening = c.opening()
+        if opening is not None:
+            yield opening
+    merged = _merged(choices)
+    try:
+        async for c, item in merged:
+            if item is None:
+                continue
+            if not isinstance(item, list):
+                yield responses.sse(item.body())
+                continue
+            data = c.chunk(item)
+            if data is not None:
+                yield data
+    finally:
+        await merged.aclose()
+    if greq.include_usage:
+        yield responses.sse(responses.usage_chunk(greq.kind, rid, greq.model, created, *_usage(choices)))
     yield responses.SSE_DONE
 
 

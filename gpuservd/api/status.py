@@ -60,6 +60,7 @@ class DaemonStatus:
     sharing: dict | None = None  # the SM-partition backend: {"name", "enforced", "summary", ...}
     arbiter: dict | None = None  # time slices and bandwidth priority (sharing/arbiter.py status())
     devices: dict | None = None  # per device: budget_bytes, used_bytes, models, cache_size, load
+    process: dict | None = None  # CPU seconds so far: cpu_s (this process), loop_cpu_s (its event loop), workers_cpu_s
 
     @classmethod
     def from_dict(cls, data: dict) -> "DaemonStatus":

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import httpx
 
+from gpuservd.bench.daemon_cpu import cpu_per_token
 from gpuservd.bench.records import RequestTiming, SystemRun
 
 
@@ -56,15 +57,16 @@ async def _run(socket_path: Path, requests: Sequence, model: str) -> SystemRun:
         before = (await c.get("/admin/status")).json()
         timings: list[RequestTiming] = []
         errors: list[str] = []
-        t0 = time.perf_counter()
+        t0, client0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(_one(c, r, model, t0, timings, errors) for r in requests))
-        wall = time.perf_counter() - t0
+        wall, client_cpu = time.perf_counter() - t0, time.process_time() - client0
         after = (await c.get("/admin/status")).json()
     by_id = {r.request_id: r for r in requests}
     steps = sum(m["num_steps"] for m in after["models"]) - sum(m["num_steps"] for m in before["models"])
     extra = {"target": "socket", "num_steps": steps, "errors": errors,
              "outputs_exact": not errors and all(t.output_tokens == by_id[t.request_id].output_tokens
                                                  for t in timings)}
+    extra.update(cpu_per_token(before, after, sum(t.output_tokens for t in timings), client_cpu))
     return SystemRun("gpuserv-socket", wall, sorted(timings, key=lambda t: t.request_id), extra)
 
 

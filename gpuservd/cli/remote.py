@@ -102,6 +102,10 @@ def bench_socket(workload_path: Path, socket: Optional[Path], out_dir: Optional[
     if run.extra["errors"]:
         raise UserError(f"{len(run.extra['errors'])} requests failed, first: {run.extra['errors'][0]}")
     log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s")
+    x = run.extra
+    if x.get("daemon_cpu_s_per_token") is not None:
+        log(f"  CPU per streamed token: daemon {1e3 * x['daemon_cpu_s_per_token']:.3f} ms (its event loop "
+            f"{1e3 * x['daemon_loop_cpu_s_per_token']:.3f} ms), client {1e3 * x['client_cpu_s_per_token']:.3f} ms")
     out_dir = out_dir or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{workload.name}-socket"
     config = {"target": "socket", "socket": path, "daemon_version": st["version"], "device": st["device"],
               "threads": st["device"].get("num_threads")}

@@ -77,13 +77,48 @@ def engine_gone(item: EngineGone) -> ModelUnavailable:
 
 
 class RequestSink:
-    """Where the engine thread's outputs for one request land (on the event loop)."""
+    """Where the engine thread's outputs for one request land (on the event loop).
+
+    The engine loop hands a whole iteration's deliveries to the event loop in one callback, which
+    calls `put` once per request; the reader takes everything that arrived since it last looked in
+    one `take`, so a reader that lagged a few steps renders them as one chunk. A list and at most
+    one waiting future: lighter than an asyncio.Queue on a path that runs once per token per stream.
+    """
 
     def __init__(self):
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+        self.num_wakeups = 0  # times a waiting reader was woken (one per engine iteration at most)
 
     def put(self, item) -> None:
-        self.queue.put_nowait(item)
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+            self.num_wakeups += 1
+
+    async def _wait(self) -> None:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def get(self):
+        """The oldest item (waits for one)."""
+        await self._wait()
+        return self._items.pop(0)
+
+    def unget(self, item) -> None:
+        """Put an item back in front (a reader that looked at it first and is not the one to handle it)."""
+        self._items.insert(0, item)
+
+    async def take(self) -> list:
+        """Every item that arrived since the last take (waits for at least one)."""
+        await self._wait()
+        items, self._items = self._items, []
+        return items
 
 
 class ActiveRequest:
@@ -109,11 +144,8 @@ class ActiveRequest:
     async def batches(self):
         """Lists of RequestOutputs as they arrive (several when the reader lagged); ends after the last."""
         while not self.done:
-            items = [await self.sink.queue.get()]
-            while not self.sink.queue.empty():
-                items.append(self.sink.queue.get_nowait())
             outs = []
-            for item in items:
+            for item in await self.sink.take():
                 if isinstance(item, Failed):
                     self.done = True
                     self.status = 500

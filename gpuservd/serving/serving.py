@@ -29,6 +29,7 @@ from gpuservd.errors import (Draining, EngineFailed, InvalidRequest, ModelNotSer
 from gpuservd.events import EventBus
 from gpuservd.events.types import Drain, RequestFinished, RequestPrompt
 from gpuservd.hints.monitor import HintMonitor
+from gpuservd.serving.cpu_time import cpu_reading
 from gpuservd.serving.models import Models
 from gpuservd.serving.request_stream import ActiveRequest, ModelSlot, RequestContext, engine_gone
 from gpuservd.serving.tenants import TenantMap
@@ -197,10 +198,10 @@ class Serving:
                                        retry_after_s=5)
             slot.loop.submit(Submission(ctx.request_id, ids, params, active.sink, priority, tname, ctx.arrival))
             submitted = True
-            first = await active.sink.queue.get()
+            first = await active.sink.get()
             self._check_accepted(first, greq, ctx)
             if not isinstance(first, Accepted):  # an abort raced the acceptance (drain): hand the output back
-                active.sink.queue.put_nowait(first)
+                active.sink.unget(first)
             return active
         except BaseException as exc:
             refused = isinstance(exc, ServingError)
@@ -325,7 +326,8 @@ class Serving:
             version=__version__, pid=os.getpid(), uptime_s=round(time.monotonic() - self.started, 3),
             state=self.state, device=self.device, socket=self.socket, tcp=self.tcp,
             models=[self.model_status(s) for _, s in sorted(self.slots.items())], num_in_flight=len(self.active),
-            num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total)
+            num_requests_total=self.num_requests_total, num_rejected_total=self.num_rejected_total,
+            process=cpu_reading([s.loop.pid for s in self.slots.values() if s.loop is not None and s.loop.pid]))
         data = asdict(st)
         data.update(self.models.status_sections())
         data["tenants"] = {name: {"queued": self.tenant_queued.get(name, 0),

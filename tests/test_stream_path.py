@@ -1,0 +1,145 @@
+"""The streaming path from the engine thread to the SSE bytes: one hand-off per engine step however many
+streams run, one wake-up per stream per hand-off, outputs that arrive together rendered as one correct
+chunk, and the CPU readings the socket benchmark divides by the tokens it streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+from gpuservd.api import responses
+from gpuservd.api.choices import Choice
+from gpuservd.api.protocol import GenerationRequest
+from gpuservd.bench.daemon_cpu import cpu_per_token
+from gpuservd.engine.loop import Accepted, EngineLoop, Submission
+from gpuservd.engine.request import FinishReason, RequestOutput, SamplingParams
+from gpuservd.engine.sampler import TokenLogprobs
+from gpuservd.serving.request_stream import RequestSink
+
+from test_engine import make_engine
+
+
+class _RecordingLoop:
+    """Stands in for the asyncio loop the engine thread posts to: records each hand-off and runs it."""
+
+    def __init__(self):
+        self.handoffs: list[list] = []
+        self.lock = threading.Lock()
+
+    def call_soon_threadsafe(self, fn, deliveries, events):
+        with self.lock:
+            self.handoffs.append(list(deliveries))
+        fn(deliveries, events)
+
+
+def test_one_handoff_per_engine_step_for_many_streams(tiny_model_dir):
+    num_streams, num_tokens = 16, 6
+    aloop = _RecordingLoop()
+    got: dict[str, list] = {}
+    done = threading.Event()
+
+    class Sink:
+        def __init__(self, rid):
+            self.rid = rid
+
+        def put(self, item):
+            got.setdefault(self.rid, []).append(item)
+            if len([o for v in got.values() for o in v if isinstance(o, RequestOutput) and o.finished]) == num_streams:
+                done.set()
+
+    loop = EngineLoop("tiny", lambda: make_engine(tiny_model_dir), aloop, lambda d, e: [s.put(i) for s, i in d])
+    # Queued before the thread starts: the first iteration admits them all at once.
+    for i in range(num_streams):
+        loop.submit(Submission(f"r{i}", [3 + i, 4, 5, 6], SamplingParams(max_tokens=num_tokens, ignore_eos=True),
+                               Sink(f"r{i}")))
+    loop.start()
+    try:
+        assert done.wait(120)
+    finally:
+        loop.stop()
+    steps = loop.engine.telemetry.num_steps
+    handoffs = [h for h in aloop.handoffs if h]
+    assert len(handoffs) == steps  # one call_soon_threadsafe per step, not one per stream or per token
+    for h in handoffs:
+        rids = [item.request_id for _, item in h if isinstance(item, RequestOutput)]
+        assert len(rids) == len(set(rids))  # at most one output per stream per hand-off (and its Accepted)
+    outputs = [i for v in got.values() for i in v if isinstance(i, RequestOutput)]
+    assert sum(len(o.new_token_ids) for o in outputs) == num_streams * num_tokens
+    # a step carries every stream's token together
+    assert max(sum(isinstance(i, RequestOutput) for _, i in h) for h in handoffs) == num_streams
+    assert all(isinstance(v[0], Accepted) for v in got.values())
+
+
+def test_a_sink_wakes_its_reader_once_for_everything_that_arrived():
+    async def main():
+        sink = RequestSink()
+        taken = []
+
+        async def reader():
+            taken.append(await sink.take())
+            taken.append(await sink.take())
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader waits
+        for i in range(3):  # what one engine hand-off delivers (or three a lagging reader missed)
+            sink.put(i)
+        await asyncio.sleep(0)
+        assert taken == [[0, 1, 2]] and sink.num_wakeups == 1
+        sink.put(3)
+        await task
+        assert taken == [[0, 1, 2], [3]] and sink.num_wakeups == 2
+        sink.put("a")
+        sink.put("b")
+        first = await sink.get()
+        sink.unget(first)  # looked at, handed back in front
+        assert await sink.take() == ["a", "b"]
+
+    asyncio.run(main())
+
+
+def _out(rid, tok, text, n, finished=False, lp=None):
+    return RequestOutput(rid, [tok], text, finished, FinishReason.LENGTH if finished else None, 4, n, 0.0, 0.0,
+                         0.0 if finished else None, logprobs=[lp] if lp else None)
+
+
+def test_outputs_that_arrived_together_make_one_correct_chunk():
+    tokenizer = SimpleNamespace(decode=lambda ids, **kw: "".join(f"<{i}>" for i in ids))
+    active = SimpleNamespace(ctx=SimpleNamespace(request_id="cmpl-1"), slot=SimpleNamespace(tokenizer=tokenizer))
+    for kind in ("completion", "chat"):
+        greq = GenerationRequest(kind=kind, model="m", prompt="p" if kind == "completion" else None,
+                                 return_token_ids=True, logprobs=1)
+        lps = [TokenLogprobs(7 + i, -0.5 * (i + 1), [(7 + i, -0.5 * (i + 1))]) for i in range(3)]
+        outs = [_out("cmpl-1", 7 + i, f"t{i}é", i + 1, finished=(i == 2), lp=lps[i]) for i in range(3)]
+        coalesced = Choice(0, active, greq, 5, True)
+        one = json.loads(coalesced.chunk(outs)[len(b"data: "):])
+        apart = Choice(0, active, greq, 5, True)
+        chunks = [json.loads(apart.chunk([o])[len(b"data: "):]) for o in outs]
+        c = one["choices"][0]
+        text = c["delta"]["content"] if kind == "chat" else c["text"]
+        assert text == "t0ét1ét2é" == "".join(
+            x["choices"][0]["delta"]["content"] if kind == "chat" else x["choices"][0]["text"] for x in chunks)
+        assert c["token_ids"] == [7, 8, 9] and c["finish_reason"] == "length"
+        if kind == "chat":
+            assert [e["token"] for e in c["logprobs"]["content"]] == ["<7>", "<8>", "<9>"]
+            assert [e["logprob"] for e in c["logprobs"]["content"]] == [-0.5, -1.0, -1.5]
+        else:  # offsets continue across the tokens of the one chunk as they do across separate chunks
+            assert c["logprobs"]["text_offset"] == [y for x in chunks for y in x["choices"][0]["logprobs"]["text_offset"]]
+            assert c["logprobs"]["token_logprobs"] == [-0.5, -1.0, -1.5]
+
+
+def test_sse_json_falls_back_for_what_orjson_refuses():
+    lone = "echo \ud83d"  # a lone surrogate: a JSON client may send one escaped, and echo returns it
+    assert json.loads(responses.sse({"t": lone})[6:]) == {"t": lone}
+    enc = responses.ChunkEncoder("completion", "r", "m", 1, True, False)
+    assert json.loads(enc.encode(lone, None, [1])[6:])["choices"][0]["text"] == lone
+
+
+def test_cpu_per_token_from_two_status_readings():
+    before = {"process": {"cpu_s": 10.0, "loop_cpu_s": 1.0, "workers_cpu_s": 0.0}}
+    after = {"process": {"cpu_s": 14.0, "loop_cpu_s": 1.5, "workers_cpu_s": 2.0}}
+    got = cpu_per_token(before, after, 1000, client_cpu_s=0.25)
+    assert got == {"daemon_cpu_s_per_token": 0.006, "daemon_loop_cpu_s_per_token": 0.0005,
+                   "client_cpu_s_per_token": 0.00025, "daemon_cpu_s": 6.0}
+    assert cpu_per_token({}, after, 1000)["daemon_cpu_s_per_token"] is None  # a daemon without the section
