@@ -11,12 +11,19 @@ scrape latency (request sent -> body read), the body's size and series count, th
 and the tokens the clients received meanwhile. Each scrape is followed by a GET /health, timed the same
 way: the HTTP round trip without the rendering, i.e. what the machine and the event loop cost by
 themselves. Writes result.json under --out when given.
+
+It starts only once every model in --models is ready and has answered one request (a model still
+loading would take the CPU and leave its clients waiting inside the measured window). The streaming
+clients run in a process of their own, so that their parsing does not hold the scraper's GIL and add to
+the latencies it times; tokens are counted from the token ids each chunk carries (a chunk may carry
+several). The daemon's CPU over the window (/admin/status `process`) is reported per token received.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import threading
@@ -42,15 +49,47 @@ def _client(args) -> httpx.Client:
                         timeout=30)
 
 
-def _serve(args, model: str, stop: threading.Event, tokens: list[int]) -> None:
+def _serve(args, model: str, stop, tokens) -> None:
     body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "stream": True,
-            "max_tokens": args.max_tokens, "ignore_eos": True}
+            "max_tokens": args.max_tokens, "ignore_eos": True, "return_token_ids": True}
     with _client(args) as c:
         while not stop.is_set():
             with c.stream("POST", "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        tokens[0] += 1
+                        n = sum(len(ch.get("token_ids") or []) for ch in json.loads(line[6:]).get("choices", []))
+                        with tokens.get_lock():
+                            tokens.value += n
+
+
+def _streams(args, models: list[str], stop, tokens) -> None:
+    """The streaming clients (a process of their own): --clients threads until `stop` is set."""
+    workers = [threading.Thread(target=_serve, args=(args, models[i % len(models)], stop, tokens), daemon=True)
+               for i in range(args.clients)]
+    for w in workers:
+        w.start()
+    stop.wait()
+
+
+def _wait_ready(args, models: list[str], timeout_s: float = 300.0) -> None:
+    """Every model listed as ready, and each has answered one short request (its first-call costs paid)."""
+    with _client(args) as c:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if set(models) <= {m["id"] for m in c.get("/v1/models").json()["data"]}:
+                    break
+            except httpx.TransportError:  # the daemon is still starting
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"models not ready after {timeout_s:.0f} s: {models}")
+            time.sleep(0.5)
+        for m in models:
+            c.post("/v1/completions", json={"model": m, "prompt": "hi", "max_tokens": 2}).raise_for_status()
+
+
+def _cpu(c) -> dict:
+    return c.get("/admin/status").json().get("process") or {}
 
 
 def main() -> int:
@@ -65,21 +104,24 @@ def main() -> int:
     a.add_argument("--max-tokens", type=int, default=64)
     a.add_argument("--out", type=Path, default=None)
     args = a.parse_args()
-    with _client(args) as c:
-        models = [m for m in args.models.split(",") if m] or [m["id"] for m in c.get("/v1/models").json()["data"]]
+    models = [m for m in args.models.split(",") if m]
+    if not models:
+        with _client(args) as c:
+            models = [m["id"] for m in c.get("/v1/models").json()["data"]]
     if not models:
         print("the daemon serves no model", file=sys.stderr)
         return 2
-    stop, tokens = threading.Event(), [0]
-    workers = [threading.Thread(target=_serve, args=(args, models[i % len(models)], stop, tokens), daemon=True)
-               for i in range(args.clients)]
-    for w in workers:
-        w.start()
-    time.sleep(1.0)  # the streams are under way before the first scrape
+    _wait_ready(args, models)
+    ctx = multiprocessing.get_context("spawn")
+    stop, tokens = ctx.Event(), ctx.Value("q", 0)
+    streams = ctx.Process(target=_streams, args=(args, models, stop, tokens), daemon=True)
+    streams.start()
+    time.sleep(2.0)  # the streams are under way before the first scrape
     latencies, health, failed, size, series = [], [], 0, 0, 0
     with _client(args) as c:
+        cpu_before = _cpu(c)
         period, t_next, end = 1.0 / args.rate, time.monotonic(), time.monotonic() + args.seconds
-        start_tokens = tokens[0]
+        start_tokens = tokens.value
         while time.monotonic() < end:
             t0 = time.perf_counter()
             r = c.get("/metrics")
@@ -93,8 +135,10 @@ def main() -> int:
             health.append(time.perf_counter() - t0)
             t_next += period
             time.sleep(max(0.0, t_next - time.monotonic()))
-        received = tokens[0] - start_tokens
+        received = tokens.value - start_tokens
+        cpu_after = _cpu(c)
     stop.set()
+    streams.join(10)
     ms, hs = sorted(x * 1000 for x in latencies), sorted(x * 1000 for x in health)
 
     def p99(xs):
@@ -105,6 +149,10 @@ def main() -> int:
               "health_p50_ms": round(statistics.median(hs), 3), "health_p99_ms": p99(hs),
               "body_bytes": size, "series": series, "clients": args.clients,
               "tokens_per_s_meanwhile": round(received / args.seconds, 1)}
+    if cpu_before and cpu_after and received:
+        for key in ("cpu_s", "loop_cpu_s"):
+            result[f"daemon_{key}_per_token"] = round((cpu_after[key] - cpu_before[key]) / received, 6)
+        result["daemon_loop_cpu_share"] = round((cpu_after["loop_cpu_s"] - cpu_before["loop_cpu_s"]) / args.seconds, 4)
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

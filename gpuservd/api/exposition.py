@@ -9,9 +9,15 @@ once per series and kept; a scrape reads the current values and joins strings.
 The counters and histograms stay prometheus_client's own objects (thread-safe
 updates from the engine threads); this module reads their children's values
 (`_metrics`, `_value`, `_buckets`, `_sum`: the attributes prometheus_client's
-own `collect` reads). Families from custom collectors (the scrape-time gauges)
-are formatted sample by sample. A test checks that the text parses to exactly
-the families `generate_latest` gives.
+own `collect` reads) without taking each value's lock: a float attribute is
+read whole under the GIL, and a scrape that lands mid-update sees the bucket
+before or after the observation exactly as with the locks (each value was
+locked on its own, never the histogram as a whole). The scrape-time gauges
+come as rows (api/metrics_gauges.py `Family`), whose line prefixes are kept
+per series as well. A test checks that the text parses to exactly the
+families `generate_latest` gives.
+
+Nothing is cached but text: every value is read at the scrape.
 """
 
 from __future__ import annotations
@@ -38,6 +44,16 @@ def _labels(pairs) -> str:
     return "{" + ",".join(f'{k}="{_escape_value(str(v))}"' for k, v in items) + "}"
 
 
+ROW_PREFIXES_MAX = 4096
+
+
+def _read(value) -> float:
+    """A prometheus_client value's float without its lock (see the module docstring); the locked getter
+    for value classes that keep it elsewhere (multiprocess mode)."""
+    raw = getattr(value, "_value", None)
+    return raw if isinstance(raw, float) else value.get()
+
+
 def _num(value: float) -> str:
     """A sample value; integers (most counts) skip the general float formatting."""
     if value.is_integer() and abs(value) < 1e15:
@@ -57,6 +73,9 @@ class Exposition:
         self._prefixes: dict[tuple[int, tuple], tuple[str, ...]] = {}  # (metric, label values) -> line starts
         # (histogram, label values) -> (bucket counts and sum, their text): an idle series is not reformatted
         self._last: dict[tuple[int, tuple], tuple[tuple, str]] = {}
+        # (family name, label values) -> "name{labels} " of a scrape-time gauge's series; bounded: label values
+        # come and go with models (and the variant list is itself a label), so it is emptied when it grows
+        self._row_prefixes: dict[tuple[str, tuple], str] = {}
 
     @staticmethod
     def _head(metric) -> str:
@@ -95,16 +114,18 @@ class Exposition:
             for labelvalues, child in children:
                 prefixes = self._series_prefixes(metric, labelvalues)
                 if not histogram:
-                    out.append(f"{prefixes[0]}{_num(child._value.get())}\n")
+                    out.append(f"{prefixes[0]}{_num(_read(child._value))}\n")
                     continue
                 out.append(self._histogram(metric, labelvalues, child, prefixes))
+        if len(self._row_prefixes) > ROW_PREFIXES_MAX:
+            self._row_prefixes.clear()
         for collector in self.collectors:
-            for family in collector.collect():
+            for family in collector.families():
                 out.append(self._family(family))
         return "".join(out).encode()
 
     def _histogram(self, metric, labelvalues: tuple, child, prefixes: tuple[str, ...]) -> str:
-        state = (*[b.get() for b in child._buckets], child._sum.get())
+        state = (*[_read(b) for b in child._buckets], _read(child._sum))
         key = (id(metric), labelvalues)
         last = self._last.get(key)
         if last is not None and last[0] == state:
@@ -118,10 +139,16 @@ class Exposition:
         self._last[key] = (state, text)
         return text
 
-    @staticmethod
-    def _family(family) -> str:
-        name = family.name + "_total" if family.type == "counter" else family.name
-        lines = [f"# HELP {name} {_escape_help(family.documentation)}\n# TYPE {name} {family.type}\n"]
-        for s in family.samples:
-            lines.append(f"{s.name}{_labels(s.labels.items())} {_num(float(s.value))}\n")
+    def _family(self, family) -> str:
+        """A metric_gauges.Family: its head, then one line per row."""
+        counter = family.type == "counter"
+        name = family.name + "_total" if counter else family.name
+        lines = [f"# HELP {name} {_escape_help(family.doc)}\n# TYPE {name} {family.type}\n"]
+        prefixes, names = self._row_prefixes, family.labelnames
+        for labelvalues, value in family.rows:
+            key = (name, labelvalues)
+            prefix = prefixes.get(key)
+            if prefix is None:
+                prefix = prefixes[key] = f"{name}{_labels(zip(names, labelvalues))} "
+            lines.append(f"{prefix}{_num(float(value))}\n")
         return "".join(lines)

@@ -15,6 +15,10 @@ running = variants on the device, ready to serve; waiting = variants that
 requests are waiting to have loaded; max_lora = how many models the device
 cache holds (cache.cache_size). Its value is the scrape time, as the picker
 takes the series with the largest value.
+
+The families are plain rows (`Family`): /metrics renders them directly
+(api/exposition.py keeps each series' line prefix), and `collect()` turns them
+into prometheus_client's families for its registry and parser.
 """
 
 from __future__ import annotations
@@ -28,8 +32,36 @@ from gpuservd import __version__
 MODEL = ["model_name"]
 
 
-def _gauge(name: str, doc: str, labels=MODEL) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=labels)
+class Family:
+    """One metric family read at scrape time: (label values, value) rows. Label values pair with the
+    leading label names (a row may leave trailing names out, as prometheus_client's add_metric allows)."""
+
+    __slots__ = ("name", "doc", "type", "labelnames", "rows")
+
+    def __init__(self, name: str, doc: str, labelnames, kind: str = "gauge"):
+        self.name = name
+        self.doc = doc
+        self.type = kind  # gauge | counter
+        self.labelnames = tuple(labelnames)
+        self.rows: list[tuple[tuple, float]] = []
+
+    def add_metric(self, labelvalues, value: float) -> None:
+        self.rows.append((tuple(labelvalues), value))
+
+    def to_prometheus(self):
+        cls = GaugeMetricFamily if self.type == "gauge" else CounterMetricFamily
+        fam = cls(self.name, self.doc, labels=self.labelnames)
+        for labelvalues, value in self.rows:
+            fam.add_metric(labelvalues, value)
+        return fam
+
+
+def _gauge(name: str, doc: str, labels=MODEL) -> Family:
+    return Family(name, doc, labels)
+
+
+def _counter(name: str, doc: str, labels=()) -> Family:
+    return Family(name, doc, labels, "counter")
 
 
 class GaugeCollector:
@@ -42,6 +74,11 @@ class GaugeCollector:
         return []
 
     def collect(self):
+        for family in self.families():
+            yield family.to_prometheus()
+
+    def families(self):
+        """The families as rows (what /metrics renders)."""
         info = _gauge("gpuserv_build_info", "Version of the daemon", ["version"])
         info.add_metric([__version__], 1)
         yield info
@@ -114,7 +151,7 @@ def _model_gauges(slots):
     queued = _gauge("gpuserv_requests_queued", "Admitted requests without a first token")
     state = _gauge("gpuserv_model_state", "1 for the model's current state", MODEL + ["state"])
     beat = _gauge("gpuserv_engine_heartbeat_age_seconds", "Since the engine loop last iterated")
-    errors = CounterMetricFamily("gpuserv_engine_errors", "Engine steps that raised", labels=MODEL)
+    errors = _counter("gpuserv_engine_errors", "Engine steps that raised", MODEL)
     now = time.monotonic()
     for name, slot in slots:
         state.add_metric([name, slot.state], 1)
@@ -139,16 +176,15 @@ def _daemon_gauges(serving):
     uptime.add_metric([], time.monotonic() - serving.started)
     subs = _gauge("gpuserv_event_subscribers", "Readers of /admin/events", [])
     subs.add_metric([], serving.bus.num_subscribers)
-    dropped = CounterMetricFamily("gpuserv_events_dropped", "Events a slow /admin/events reader lost")
+    dropped = _counter("gpuserv_events_dropped", "Events a slow /admin/events reader lost")
     dropped.add_metric([], serving.bus.num_dropped)
     yield from (draining, uptime, subs, dropped)
 
 
 def _cache_metrics(cache):
     """The weight cache: lookups that found their model per tier, bytes resident per tier."""
-    hits = CounterMetricFamily("gpuserv_weight_cache_hits", "Model lookups that found the model in the tier",
-                               labels=["tier"])
-    misses = CounterMetricFamily("gpuserv_weight_cache_misses", "Model lookups that did not", labels=["tier"])
+    hits = _counter("gpuserv_weight_cache_hits", "Model lookups that found the model in the tier", ["tier"])
+    misses = _counter("gpuserv_weight_cache_misses", "Model lookups that did not", ["tier"])
     resident = _gauge("gpuserv_weight_cache_bytes", "Weight bytes held by the tier", ["tier"])
     st = cache.status()
     for tier in ("device", "host"):
@@ -173,9 +209,9 @@ def _sharing_metrics(st: dict):
     """The arbiter (time slices, bandwidth priority) and memory quotas, per model; no arbiter series when off."""
     arb = st["arbiter"]
     if arb.get("enabled"):
-        run = CounterMetricFamily("gpuserv_arbiter_run_seconds", "Time the model held its SM group", labels=MODEL)
-        wait = CounterMetricFamily("gpuserv_arbiter_wait_seconds", "Time the model waited for its turn", labels=MODEL)
-        slices = CounterMetricFamily("gpuserv_arbiter_slices", "Time slices the model held", labels=MODEL)
+        run = _counter("gpuserv_arbiter_run_seconds", "Time the model held its SM group", MODEL)
+        wait = _counter("gpuserv_arbiter_wait_seconds", "Time the model waited for its turn", MODEL)
+        slices = _counter("gpuserv_arbiter_slices", "Time slices the model held", MODEL)
         duty = _gauge("gpuserv_arbiter_duty", "Bandwidth-priority duty cycle (1 = not throttled)")
         usage = _gauge("gpuserv_arbiter_usage", "Recent share of time holding the group (~5 s average)")
         for name, x in arb["models"].items():
@@ -184,7 +220,7 @@ def _sharing_metrics(st: dict):
             slices.add_metric([name], x["num_slices"])
             duty.add_metric([name], x["duty"])
             usage.add_metric([name], x["usage"])
-        switch = CounterMetricFamily("gpuserv_arbiter_switch_seconds", "Time spent handing groups over")
+        switch = _counter("gpuserv_arbiter_switch_seconds", "Time spent handing groups over")
         switch.add_metric([], arb["switch_s"])
         yield from (run, wait, slices, duty, usage, switch)
     quota = _gauge("gpuserv_memory_quota_bytes", "The model's memory quota")

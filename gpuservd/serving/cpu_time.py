@@ -10,11 +10,14 @@ that other work shares, where wall-clock times do not.
   framing and writing, /metrics rendering, the periodic checks; the part of the
   daemon that is the serving path rather than the engine;
 - `workers_cpu_s`: engine worker processes (engine.isolation: process), which
-  `cpu_s` does not include.
+  `cpu_s` does not include;
+- `gil_switch_interval_s`: how long a thread may hold the GIL while the event
+  loop waits for it (the daemon lowers Python's default: daemon/run.py).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import psutil
@@ -30,4 +33,4 @@ def cpu_reading(worker_pids=()) -> dict:
             continue
         workers += t.user + t.system
     return {"cpu_s": round(time.process_time(), 4), "loop_cpu_s": round(time.thread_time(), 4),
-            "workers_cpu_s": round(workers, 4)}
+            "workers_cpu_s": round(workers, 4), "gil_switch_interval_s": sys.getswitchinterval()}
