@@ -64,12 +64,7 @@ async def _batches(c: Choice):
 
 
 async def _merged(choices: list[Choice]):
-    """Every choice's (choice, item) as they come. One choice (the usual stream) is read directly, without
-    a task and a queue between its outputs and the response: one wake-up per engine step, not two."""
-    if len(choices) == 1:
-        async for pair in _batches(choices[0]):
-            yield pair
-        return
+    """Every choice's (choice, item) as they come (n > 1: a task per choice feeds one queue)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: Choice):
@@ -89,24 +84,34 @@ async def _merged(choices: list[Choice]):
 
 
 async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, created: int):
-    """SSE body of a streaming request: the choices' chunks as they come, then usage and [DONE]."""
+    """SSE body of a streaming request: the choices' chunks as they come, then usage and [DONE].
+
+    One choice (the usual stream) reads its request's outputs directly, with no task, queue or generator
+    between them and the response: this runs once per engine step for every stream."""
     for c in choices:
         opening = c.opening()
         if opening is not None:
             yield opening
-    merged = _merged(choices)
-    try:
-        async for c, item in merged:
-            if item is None:
-                continue
-            if not isinstance(item, list):
-                yield responses.sse(item.body())
-                continue
-            data = c.chunk(item)
-            if data is not None:
-                yield data
-    finally:
-        await merged.aclose()
+    if len(choices) == 1:
+        c = choices[0]
+        try:
+            async for outs in c.active.batches():
+                data = c.chunk(outs)
+                if data is not None:
+                    yield data
+        except ServingError as exc:
+            yield responses.sse(to_api_error(exc).body())
+    else:
+        merged = _merged(choices)
+        try:
+            async for c, item in merged:
+                if item is None:
+                    continue
+                data = responses.sse(item.body()) if not isinstance(item, list) else c.chunk(item)
+                if data is not None:
+                    yield data
+        finally:
+            await merged.aclose()
     if greq.include_usage:
         yield responses.sse(responses.usage_chunk(greq.kind, rid, greq.model, created, *_usage(choices)))
     yield responses.SSE_DONE
