@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the `device` tool): what this project checks and measures there.
 #
-#   scripts/device_run.sh PART... [-- BUDGET_S]     parts: env tests swap cold check daemon fast
+#   scripts/device_run.sh PART... [-- BUDGET_S]     parts: env tests swap cold cold-seq check daemon fast
 #
 #   env    nvidia-smi, python, torch / CUDA versions
 #   tests  pytest tests/test_cuda.py (the engine on CUDA: tokens against the CPU, asynchronous swap,
 #          layered loading through pinned buffers, INT8 expanded on the GPU)
 #   swap   scripts/bench_swap_overlap.py (issue 3: a swap-out's host copy beside the next step)
 #   swap-16k  the same with a 16k-token victim and a 64-sequence step
-#   cold   gpuserv bench cold-start on cuda:0, bf16, SmolLM2's shape with random weights (issue 5)
+#   cold   the pipelined load's tests on CUDA, then gpuserv bench cold-start on cuda:0, bf16, SmolLM2's
+#          shape with random weights (TTFT next to the read floor of the bytes read)
+#   cold-seq  the same bench with GPUSERV_LOAD_PIPELINE=0 (no reader thread: the A/B reference)
 #   cold-1b   the same for TinyLlama-1.1B's shape (2.2 GB of bf16 on disk)
 #   daemon    gpuserv serve on cuda:0 (bf16, SmolLM2's shape): one request through the socket, status,
 #             doctor and /metrics, then Ctrl-C (DEVICE=cpu tries the part here)
@@ -68,8 +70,20 @@ for part in "${PARTS[@]}"; do
       timeout 120 python3 scripts/bench_swap_overlap.py --batch 64 --victim-tokens 16384 \
         --out "$RES/$DAY-h200-swap-overlap-16k" ;;
     cold)
+      # the pipelined load on the GPU first (pinned reads, side-stream copies, INT8 expanded there: the
+      # device weights bit-identical to the sequential path's), then the bench: each strategy's TTFT next
+      # to the read floor of the bytes it read (TTFT / floor), the warm TTFT, and whether the cache dropped
+      mkdir -p "$RES/$DAY-h200-cold-start"
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_load_pipeline.py \
+        tests/test_cuda.py::test_layered_load_gives_the_full_loads_tokens \
+        tests/test_cuda.py::test_int8_weights_are_expanded_on_the_device -rs \
+        2>&1 | tee "$RES/$DAY-h200-cold-start/pytest.log" | tail -8
       timeout 200 python3 -m gpuservd.cli.main bench cold-start --model isolation-small --device cuda:0 \
         --dtype bfloat16 --repeats 3 --out "$RES/$DAY-h200-cold-start" ;;
+    cold-seq)
+      # the same bench without the reader thread (GPUSERV_LOAD_PIPELINE=0): the A/B reference
+      GPUSERV_LOAD_PIPELINE=0 timeout 200 python3 -m gpuservd.cli.main bench cold-start --model isolation-small \
+        --device cuda:0 --dtype bfloat16 --repeats 3 --out "$RES/$DAY-h200-cold-start-sequential" ;;
     cold-1b)
       timeout 240 python3 -m gpuservd.cli.main bench cold-start --model cold-1b --device cuda:0 \
         --dtype bfloat16 --repeats 3 --out "$RES/$DAY-h200-cold-start-1b" ;;

@@ -196,3 +196,20 @@ def test_tensor_file_reads_rows_and_refuses_a_truncated_file(tmp_path):
         fh.truncate(f.entries[last].end - 3)
     with pytest.raises(StoreCorrupt, match="truncated"):
         TensorFile(path).read(last)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_pipelined_load_on_cuda_is_bit_identical(model, dtype, int8):
+    """On CUDA the reader thread reads into pinned memory that is copied (INT8: then expanded) on the side
+    stream: the device weights equal those of the sequential path, for fp32 and bf16, layered too."""
+    arch, dev = load_arch(model), torch.device("cuda:0")
+
+    def source():
+        return Int8Reader(int8_path(model)) if int8 else SafetensorsReader(model)
+
+    seq = load_weights(source(), arch, dtype, dev, pipeline=False)
+    _assert_identical(load_weights(source(), arch, dtype, dev), seq)
+    _assert_identical(load_weights(source(), arch, dtype, dev, initial_layers=2), seq)
+    assert _no_reader_left()
