@@ -213,3 +213,13 @@ def test_pipelined_load_on_cuda_is_bit_identical(model, dtype, int8):
     _assert_identical(load_weights(source(), arch, dtype, dev), seq)
     _assert_identical(load_weights(source(), arch, dtype, dev, initial_layers=2), seq)
     assert _no_reader_left()
+
+
+def test_a_counting_wrapper_counts_what_the_reader_thread_reads(model):
+    """weights/delta.py's CountingSource (the variant-load bench's byte count) sees the pipelined reads."""
+    from gpuservd.weights.delta import CountingSource
+
+    inner = SafetensorsReader(model)
+    counted = CountingSource(inner)
+    load_weights(counted, load_arch(model), torch.float32, CPU)
+    assert counted.bytes_read == inner.bytes_read > 0

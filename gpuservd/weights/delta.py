@@ -56,6 +56,12 @@ class CountingSource:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def read_group(self, names, pin: bool = False) -> list:
+        """The loader's reader thread reads through this (runner/pipeline.py): counted like get()."""
+        parts = self.source.read_group(names, pin)
+        self.bytes_read += sum(t.nbytes for t in parts)  # a tensor's or a QTensor's (int8 + scales)
+        return parts
+
     def __getattr__(self, name):  # has, names, shape, name_to_shard: the wrapped source's
         return getattr(self.source, name)
 
