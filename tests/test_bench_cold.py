@@ -20,6 +20,7 @@ def test_cold_start_bench_writes_all_strategies(tmp_path, monkeypatch, tiny_mode
         assert r["summary"][s]["read_floor_s"] > 0  # the disk's own time for the bytes each strategy reads
         v = r["summary"][s]
         assert v["ttft_vs_read_floor"] == v["ttft_s"] / v["read_floor_s"] and v["warm_ttft_s"] > 0
+        assert v["bound_s"] == max(v["read_floor_s"], v["warm_ttft_s"]) and v["cpu_to_first_token_s"] > 0
         assert all(run["cached_before"] <= 0.5 for run in r["runs"][s])  # the cache really was dropped
     # the bytes read are counted by the loads themselves: the tensors' bytes, not the files' sizes
     model_file = ModelStore().path("tiny") / "model.safetensors"
