@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuservd.bench.records import SystemRun
+from gpuservd.bench.report_http import HTTP_OURS, http_lines, http_vs_inprocess
 
 PERCENTILES = (50, 90, 99)
 OURS = "gpuserv"
@@ -69,9 +70,10 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
 
-def ratios(systems: dict, classes: list[str]) -> dict:
-    """gpuserv / peer for throughput, latency p50/p99 and ttft p50/p99, per class; {} without gpuserv."""
-    ours = systems.get(OURS)
+def ratios(systems: dict, classes: list[str], ours_name: str = OURS) -> dict:
+    """gpuserv / peer for throughput, latency p50/p99 and ttft p50/p99, per class; {} without gpuserv.
+    `ours_name` picks which gpuserv run is compared (the in-process one, or "gpuserv[http]")."""
+    ours = systems.get(ours_name)
     if ours is None:
         return {}
     out = {}
@@ -164,9 +166,11 @@ def meta(workload, runs: list[SystemRun], config: dict) -> dict:
     }
 
 
-def write_report(out_dir, workload, runs: list[SystemRun], floor: dict | None, config: dict) -> dict:
+def write_report(out_dir, workload, runs: list[SystemRun], floor: dict | None, config: dict,
+                 skipped: dict | None = None) -> dict:
     """Write out_dir/result.json, result.md and latency_cdf.png for `runs` (one or more systems;
-    gpuserv's run is the one named "gpuserv") and return the result dict."""
+    gpuserv's run is the one named "gpuserv") and return the result dict. `skipped` maps each peer
+    that could not run to the reason."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     classes = _class_names(workload, runs)
@@ -179,6 +183,9 @@ def write_report(out_dir, workload, runs: list[SystemRun], floor: dict | None, c
         "drag": drag(runs),
         "floor": floor,
         "meta": meta(workload, runs, config or {}),
+        "skipped": dict(skipped or {}),
+        "ratios_http": ratios(systems, classes, HTTP_OURS),  # gpuserv through HTTP / each peer
+        "http_inprocess": http_vs_inprocess(systems),
     }
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "result.md").write_text(markdown(result))
@@ -212,6 +219,7 @@ def markdown(result: dict) -> str:
                   for g in groups]
         cells.append(_f(r["ttft_p50"].get("all"), "{:.2f}x"))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += http_lines(result)
     lines += _preemption_lines(result, groups)
     lines += _prefix_cache_lines(result)
     fl = result.get("floor")

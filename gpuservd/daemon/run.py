@@ -38,6 +38,7 @@ from gpuservd.events.types import Reload
 from gpuservd.serving.routing import VersionRouter
 from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
 from gpuservd.paths import make_private_dir, user_socket
+from gpuservd.runner import cpu_isa
 from gpuservd.serving.tenants import TenantMap
 
 log = logging.getLogger("gpuservd")
@@ -417,6 +418,7 @@ def run_daemon(config: Path | None = None, socket_path: str | None = None, tcp: 
                models: list[str] | None = None, log_level: str | None = None, demo: str | None = None) -> int:
     """Build and run the daemon in this process; returns its exit code (raises UserError on bad config)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    cpu_isa.apply()  # before the first tensor op: the libraries read their ISA variables on first use
     daemon = Daemon(config, socket_path, tcp, models, log_level, demo)
     setup_logging(daemon.cfg.server.log_level)
     return asyncio.run(daemon.run())

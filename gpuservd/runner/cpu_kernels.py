@@ -28,7 +28,8 @@ instruction the CPU lacks.
 
 Anything that goes wrong (no compiler, no ninja, a failed build or load) is
 logged once and `get()` returns None: the runner then takes its torch paths.
-`GPUSERV_CPU_KERNELS=0` turns the kernels off.
+`GPUSERV_CPU_KERNELS=0` turns the kernels off. `GPUSERV_CPU_ISA=avx2` builds them
+without the AVX-512 flags even where the CPU has them (runner/cpu_isa.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from gpuservd.runner import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +76,10 @@ def _cflags() -> list[str]:
     # has already loaded (same soname), so there is one OpenMP thread pool.
     flags = ["-O3", "-std=c++20", "-fopenmp"]
     cpu = _cpu_flags()
+    avx512 = cpu_isa.apply() == "native"  # avx2: the same kernels as on an AVX2-only CPU
     if {"avx2", "fma", "f16c"} <= cpu:
         flags += ["-mavx2", "-mfma", "-mf16c"]
-        if {"avx512f", "avx512vl"} <= cpu:  # 32 vector registers for gemv's register blocks; 256-bit math
+        if avx512 and {"avx512f", "avx512vl"} <= cpu:  # 32 vector registers for gemv's register blocks; 256-bit math
             flags += ["-mavx512f", "-mavx512vl", "-mprefer-vector-width=256"]
             if {"avx512bw", "avx512_bf16"} <= cpu:  # gemv's bf16 dot-product kernel (vdpbf16ps, 512-bit)
                 flags += ["-mavx512bw", "-mavx512bf16"]
