@@ -161,3 +161,71 @@ def result_md(result):
     from gpuservd.bench.report import markdown
 
     return markdown(result)
+
+
+def test_peer_command_lines_match_gpuservs_run(tiny_model_dir, tmp_path, monkeypatch):
+    from gpuservd.bench import llama_peer, vllm_peer
+
+    job = PeerJob("tiny", tiny_model_dir, "float32", 2, 8, 512, 300)
+    spec, settings = llama_peer.server_spec(job, {"binary": "/x/llama-server", "gguf": "/x/m.gguf"}, 1234)
+    cmd = spec.cmd
+    arg = lambda flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+    assert arg("-t") == arg("-tb") == "2" and arg("--parallel") == "8" and "--cont-batching" in cmd
+    # Every slot holds the longest request (300 + 16 rounded up to 512 tokens).
+    assert arg("--ctx-size") == str(8 * 512) and settings["ctx_per_slot"] == 512
+    assert arg("--cache-type-k") == arg("--cache-type-v") == "f32" and spec.base_url == "http://127.0.0.1:1234"
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    assert vllm_peer.find_tcmalloc(dirs=[lib]) is None
+    (lib / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    found = vllm_peer.find_tcmalloc(dirs=[lib])
+    spec, settings = vllm_peer.server_spec(job, {"python": "/v/python", "tcmalloc": found}, 99)
+    assert spec.env["LD_PRELOAD"] == str(lib / "libtcmalloc_minimal.so.4")
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    cmd = spec.cmd
+    assert arg("--max-num-seqs") == "8" and arg("--dtype") == "float32" and arg("--max-model-len") == "512"
+    spec, settings = vllm_peer.server_spec(job, {"python": "/v/python", "tcmalloc": None}, 99)
+    assert "LD_PRELOAD" not in spec.env and "libgoogle-perftools4" in settings["tcmalloc"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("bench", "peers", "install", "nope"), "unknown peer nope; choose from llama_server, vllm_cpu"),
+    (("bench", "-w", "profiles/workloads/smoke.yaml", "--isa", "sse2", "--peers", "none"), "GPUSERV_CPU_ISA='sse2'"),
+    (("bench", "-w", "profiles/workloads/smoke.yaml", "--target", "gpu"), "inprocess, http or socket"),
+])
+def test_cli_mistakes_are_one_line(args, message, capsys, monkeypatch):
+    from cli_invoke import invoke
+    from gpuservd.runner import cpu_isa
+
+    monkeypatch.setenv(cpu_isa.ENV, "native")  # restored after --isa wrote it
+    assert invoke(*args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_bench_target_http_runs_gpuserv_through_its_own_daemon(store_home, tmp_path, capsys):
+    """`--target http`: the in-process run and a private daemon's run, same requests, one report."""
+    from cli_invoke import invoke
+
+    wl = tmp_path / "wl.yaml"
+    wl.write_text("name: tiny-http\nmodel: tiny\nseed: 1\nrequests: 5\narrival: {process: burst}\nclasses:\n"
+                  "  - {name: short, share: 0.6, prompt_tokens: {dist: uniform, min: 4, max: 12}, "
+                  "output_tokens: {dist: uniform, min: 2, max: 6}}\n"
+                  "  - {name: long, share: 0.4, prompt_tokens: {dist: fixed, value: 8}, "
+                  "output_tokens: {dist: fixed, value: 24}}\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("engine:\n  kv_cache_bytes: 4MiB\n  block_size: 4\n  num_threads: 1\n")
+    out = tmp_path / "out"
+    assert invoke("bench", "-w", str(wl), "--config", str(cfg), "--peers", "none", "--target", "http",
+                  "--out", str(out)) == 0, capsys.readouterr().err
+    result = json.loads((out / "result.json").read_text())
+    inproc, http = result["systems"]["gpuserv"], result["systems"]["gpuserv[http]"]
+    assert inproc["generated_tokens"] == http["generated_tokens"] > 0
+    e = http["extra"]
+    assert e["outputs_exact"] and e["transport"].startswith("unix:") and e["peak_rss_bytes"] > 0
+    assert e["settings"]["engine"]["num_threads"] == 1 and e["settings"]["engine"]["kv_cache_bytes"] == "4MiB"
+    assert result["http_inprocess"]["throughput_ratio"] > 0 and result["skipped"] == {}
+    assert "gpuserv[http] / gpuserv in-process" in (out / "result.md").read_text()
+    assert (out / "gpuservd.log").exists()

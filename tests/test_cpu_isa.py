@@ -1,0 +1,57 @@
+"""GPUSERV_CPU_ISA=avx2: every CPU library and gpuserv's own kernels held to AVX2 on an AVX-512 CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuservd.bench import llama_peer
+from gpuservd.errors import UserError
+from gpuservd.runner import cpu_isa, cpu_kernels
+
+AVX512_CPU = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_bf16"}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A private copy of the environment for the switch to write into."""
+    fake = {}
+    monkeypatch.setattr(cpu_isa.os, "environ", fake)
+    return fake
+
+
+def test_avx2_sets_the_libraries_variables(env):
+    env[cpu_isa.ENV] = "AVX2"
+    env["MKL_ENABLE_INSTRUCTIONS"] = "SSE4_2"  # the user's own choice is left alone
+    assert cpu_isa.apply() == "avx2"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+
+
+def test_native_is_the_default_and_sets_nothing(env):
+    assert cpu_isa.apply() == "native"
+    assert not {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"} & set(env)
+
+
+def test_a_bad_value_names_the_variable(env):
+    env[cpu_isa.ENV] = "sse2"
+    with pytest.raises(UserError, match="GPUSERV_CPU_ISA='sse2': choose one of native, avx2"):
+        cpu_isa.apply()
+
+
+def test_kernels_drop_the_avx512_flags_under_avx2(env, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(AVX512_CPU))
+    native = cpu_kernels._cflags()
+    assert {"-mavx2", "-mavx512f", "-mavx512bf16"} <= set(native)
+    env[cpu_isa.ENV] = "avx2"
+    avx2 = cpu_kernels._cflags()
+    assert "-mavx2" in avx2 and "-mfma" in avx2 and not [f for f in avx2 if "avx512" in f]
+    # A different flag set is a different library name: the AVX-512 build is never loaded for avx2.
+    assert cpu_kernels._ext_name(avx2) != cpu_kernels._ext_name(native)
+
+
+def test_llama_server_has_an_avx2_build_of_its_own():
+    flags = llama_peer.BUILD_FLAGS["avx2"]
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags and "-DGGML_AVX512=OFF" in flags
+    assert llama_peer.BUILD_FLAGS["native"] == ["-DGGML_NATIVE=ON"]
+    assert llama_peer.server_binary("avx2").parent.parent.name == "build-avx2"
+    assert llama_peer.server_binary("native") != llama_peer.server_binary("avx2")
