@@ -5,8 +5,9 @@ Install (each step once, into $GPUSERV_HOME/peers/llama_server-<version>/, logs 
    (vendor/llama.cpp), is downloaded with pip and unpacked to src/;
 2. `llama-server` is built from it with CMake (Release, no curl, no tests or
    examples): build-native/ uses every ISA this CPU has (GGML_NATIVE=ON);
-   build-avx2/ (GPUSERV_CPU_ISA=avx2) is GGML_NATIVE=OFF with AVX/AVX2/FMA/F16C
-   on and AVX-512 off, the kernels an AVX2-only CPU would run;
+   build-avx2/ (GPUSERV_CPU_ISA=avx2 on a CPU with AVX-512) is GGML_NATIVE=OFF
+   with AVX/AVX2/FMA/F16C on and AVX-512 off, the kernels an AVX2-only CPU
+   would run (on an AVX2-only CPU the native build is that build already);
 3. the model: the store's safetensors written as an F32 GGUF (F16 for a
    half-precision run) by llama.cpp's own convert_hf_to_gguf.py from the same
    tree, run by this Python (which has torch, transformers, numpy and
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from gpuservd.bench.peer_job import PeerJob, PeerUnavailable, peers_root, run_logged
 from gpuservd.bench.server_process import ServerSpec
+from gpuservd.runner import cpu_isa
 
 NAME = "llama_server"
 SDIST = "llama-cpp-python"
@@ -53,8 +55,17 @@ def llama_tree() -> Path:
     return home() / "src" / "vendor" / "llama.cpp"
 
 
+def build_variant(isa: str, cpu_flags: set[str] | None = None) -> str:
+    """Which build serves `isa`: the AVX2 one only where the CPU has more than AVX2 (elsewhere the
+    native build already is an AVX2 build, and a second one would be minutes for nothing)."""
+    if isa != "avx2":
+        return "native"
+    flags = cpu_isa.cpu_flags() if cpu_flags is None else cpu_flags
+    return "avx2" if "avx512f" in flags else "native"
+
+
 def server_binary(isa: str) -> Path:
-    return home() / f"build-{isa}" / "bin" / "llama-server"
+    return home() / f"build-{build_variant(isa)}" / "bin" / "llama-server"
 
 
 def _fetch_source(log_path: Path) -> None:
@@ -83,9 +94,10 @@ def _build(isa: str, log_path: Path, jobs: int) -> Path:
     binary = server_binary(isa)
     if binary.exists():
         return binary
-    build = home() / f"build-{isa}"
+    variant = build_variant(isa)
+    build = home() / f"build-{variant}"
     cfg = ["cmake", "-S", str(llama_tree()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", *BUILD_FLAGS[isa]]
+           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", *BUILD_FLAGS[variant]]
     if shutil.which("cmake") is None:
         raise PeerUnavailable("cmake is not installed (Debian: apt-get install cmake g++)")
     # nice: the build takes minutes of every core and must not starve whatever else the machine serves.
@@ -164,7 +176,7 @@ def server_spec(job: PeerJob, installed: dict, port: int) -> tuple[ServerSpec, d
     settings = {"threads": job.threads, "threads_batch": job.threads, "parallel_slots": job.max_num_seqs,
                 "continuous_batching": True, "ctx_size": ctx, "ctx_per_slot": job.slot_tokens(),
                 "kv_cache_type": kv_type, "kv_bytes": ctx * job.kv_bytes_per_token(), "gguf": installed["gguf"],
-                "build": f"build-{job.isa}", "batch_limits": "llama.cpp defaults (-b 2048, -ub 512)"}
+                "build": f"build-{build_variant(job.isa)}", "batch_limits": "llama.cpp defaults (-b 2048, -ub 512)"}
     spec = ServerSpec(name=NAME, cmd=cmd, ready_path="/health", base_url=f"http://127.0.0.1:{port}",
                       ready_timeout_s=600.0)
     return spec, settings
