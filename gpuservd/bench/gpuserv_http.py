@@ -5,8 +5,8 @@ process (its package directory first on PYTHONPATH), the same store
 ($GPUSERV_HOME), the bench's engine config with the thread count the
 in-process run used, on a private Unix socket in a temporary directory, so it
 never meets a daemon the user runs. The workload then goes through the shared
-streaming client like every peer's (http_peers.run_server), and the daemon's
-process tree is sampled the same way.
+streaming client like every peer's (http_peers.run_server), with text out as
+the peers send it, and the daemon's process tree is sampled the same way.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def run_gpuserv_http(config_path: Path | None, model: str, requests: Sequence, t
     with tempfile.TemporaryDirectory(prefix="gpuserv-bench-") as tmp:
         spec = daemon_spec(Path(tmp), model, config)
         endpoint = gpuserv_endpoint(model, spec.uds)
+        # Text out, as the peers send it and a user reads it (detokenizing is part of the serving path's
+        # cost); the token ids too, so the lengths are counted exactly.
+        endpoint.extra_body = {"return_token_ids": True}
         # Every request to the one model the daemon loaded (a --model override replaces the workload's).
         endpoint.per_request = lambda r: {"priority": r.priority}
         run = run_server(SYSTEM, spec, endpoint, requests, Path(out_dir) / "gpuservd.log",
