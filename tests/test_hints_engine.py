@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,24 @@ from gpuservd.engine.loop import detail_events
 from gpuservd.engine.request import SamplingParams
 from gpuservd.hints.monitor import HintMonitor
 from gpuservd.hints.sweeps import latest_sweep
+
+
+FIRED_FROM_REAL_RECORDS = {
+    "test_hints_engine": {"swap_thrash", "scheduler_overhead", "prefix_caching_off_repeats", "batch_past_plateau"},
+    "test_hints_daemon": {"preemption_off_skewed", "kv_quota_small", "starvation"},
+    "test_hints_serving": {"cache_hit_rate_low", "load_after_evict"},
+}
+NOT_ON_A_CPU = {"bandwidth_bound", "device_errors", "sharing_contention", "timeslice_overhead"}  # why: the docstring
+
+
+def test_every_rule_fires_from_real_records_somewhere_or_says_why_not():
+    from gpuservd.hints.monitor import ALL_RULES
+
+    fired = set().union(*FIRED_FROM_REAL_RECORDS.values())
+    assert fired | NOT_ON_A_CPU == {r.name for r in ALL_RULES} and not fired & NOT_ON_A_CPU
+    for module, names in FIRED_FROM_REAL_RECORDS.items():  # each module really asserts its rules' hints
+        text = (Path(__file__).parent / f"{module}.py").read_text()
+        assert all(f'"{n}"' in text for n in names), module
 
 
 def engine(model_dir, num_blocks=None, engine_kw=None, scheduler=None, **pre) -> LLMEngine:
