@@ -3,6 +3,11 @@
 A layered load returns once the first layers are in and brings the rest in on a
 background thread, so prefill can start before the whole model has arrived; the
 runner waits per layer (LayerGate).
+
+A source that reads from the disk (`read_group`: the store's safetensors, the INT8 file) is read
+on a reader thread of its own, groups of tensors in load order, ahead of the loader
+(pipeline.py): the disk reads layer i+1 while the loader expands (INT8), casts and copies layer i
+to the device and, in a layered load, while the forward runs the layers already in.
 """
 
 from __future__ import annotations
@@ -345,6 +350,7 @@ def load_weights(
         if reads is not None:
             reads.close()
         raise
+
     def rest():
         try:
             for i in range(max(0, initial_layers), n):
