@@ -273,6 +273,15 @@ def _layer_names(reader, n: int) -> tuple[list[list[str]], list[str]]:
     return by_layer, others
 
 
+def _group_reader(reader, arch: ModelArch, outside: dict, device: torch.device) -> GroupReader:
+    """The reader thread of a load: what lies outside the layers, then each layer, in load order."""
+    groups = [list(outside.values())] + [list(layer_groups(arch, i).values()) for i in range(arch.num_layers)]
+    pin_device = None
+    if device.type == "cuda":  # the loading thread's current device when the load names none ("cuda")
+        pin_device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return GroupReader(reader, groups, pin_device=pin_device)
+
+
 def _load_outside(up: Upload, outside: dict, tied: bool, dtype, onednn: bool):
     """(embedding or None, LM head, final norm), landed on the device."""
     embed = up.tensor(outside["embed"], dtype)
@@ -310,8 +319,7 @@ def load_weights(
     if pipeline is None:
         pipeline = pipeline_enabled()
     if pipeline and hasattr(reader, "read_group"):
-        groups = [list(outside.values())] + [list(layer_groups(arch, i).values()) for i in range(n)]
-        reads = GroupReader(reader, groups, pin=up.cuda)
+        reads = _group_reader(reader, arch, outside, device)
         prefetch = None  # the reader thread asks for each group's bytes ahead of its own reads
     by_layer: list[list[str]] = []
     if prefetch is not None:

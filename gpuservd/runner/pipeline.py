@@ -20,6 +20,8 @@ import logging
 import queue
 import threading
 
+import torch
+
 from gpuservd.errors import StoreCorrupt
 
 log = logging.getLogger(__name__)
@@ -34,12 +36,15 @@ class GroupReader:
 
     groups[i] is a list of name tuples; each tuple is one placed tensor (names concatenated by rows, as
     the loader fuses q/k/v). take() returns {names: parts} for the next group, parts as the source's
-    read_group(names, pin) returns them."""
+    read_group(names, pin) returns them. pin_device: a CUDA device whose copies the reads feed: they land
+    in pinned memory, allocated with that device current on the reader thread."""
 
-    def __init__(self, source, groups: list[list[tuple[str, ...]]], pin: bool = False, depth: int = DEPTH):
+    def __init__(self, source, groups: list[list[tuple[str, ...]]], pin_device: torch.device | None = None,
+                 depth: int = DEPTH):
         self.source = source
         self.groups = groups
-        self.pin = pin
+        self.pin_device = pin_device
+        self.pin = pin_device is not None
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._taken = 0
@@ -49,6 +54,8 @@ class GroupReader:
     def _run(self) -> None:
         prefetch = getattr(self.source, "prefetch", None)
         try:
+            if self.pin_device is not None:  # a new thread's current device is cuda:0 whatever the load's
+                torch.cuda.set_device(self.pin_device)
             if prefetch is not None and self.groups:
                 prefetch([n for names in self.groups[0] for n in names])
             for i, group in enumerate(self.groups):
