@@ -30,7 +30,7 @@ def test_cold_start_bench_writes_all_strategies(tmp_path, monkeypatch, tiny_mode
     # Group-wise INT8 keeps the model's own next token at nearly every position (94.8% on this random
     # model, whose near-flat logits flip easily; a 2x scale error drops it far lower: test_int8_agreement)
     q = r["int8_quality"]
-    assert q["teacher_forced_top1"] >= 0.9 and q["positions"] > 8 * 32 and q["group_size"] == 64
+    assert q["teacher_forced_top1"] >= 0.9 and q["positions"] > 8 * 32 and q["group_size"] == 32
     assert q["free_running"]["replies"] == 8 and q["greedy_token_agreement"] == q["free_running"]["token_agreement"]
     from gpuservd.weights.int8_file import read_agreement
 

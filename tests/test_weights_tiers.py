@@ -89,23 +89,75 @@ def _group_expand(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
     return scale.to(torch.float32).repeat_interleave(group, dim=1)[:, :cols]
 
 
-@pytest.mark.parametrize("asymmetric", [False, True])
+def _padded(w: torch.Tensor, g: int) -> torch.Tensor:
+    """[rows, groups, g]: a short last group padded with the row's last weight (as the quantizer does)."""
+    return torch.cat([w, w[:, -1:].expand(-1, -w.shape[1] % g)], dim=1).view(w.shape[0], -1, g)
+
+
+def _bound(w: torch.Tensor, qt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per weight, (whether its group took the symmetric grid, the largest error the scheme's theory allows):
+    half a step of its group's grid, plus what the clamp can cut when the fp16-rounded minimum or scale
+    moved the grid's ends inside the group's range, plus fp32 rounding."""
+    g, cols = qt.group_size, w.shape[1]
+    s, lo = qt.scale.float(), qt.minimum.float()
+    sym = lo == -128 * s
+    wf = _padded(w, g)
+    wmin, wmax, amax = wf.amin(dim=2), wf.amax(dim=2), wf.abs().amax(dim=2)
+    cut_asym = (lo - wmin).clamp(min=0) + (wmax - (lo + 255 * s)).clamp(min=0)
+    cut_sym = (amax - 127 * s).clamp(min=0)
+    per_group = s / 2 + torch.where(sym, cut_sym, cut_asym)
+    return _group_expand(sym, g, cols).bool(), _group_expand(per_group, g, cols) + 1e-6 * w.abs()
+
+
 @pytest.mark.parametrize("cols", [128, 150])  # whole groups, and a last group of 22 columns
-def test_quantize_int8_error_is_bounded_by_each_groups_own_range(cols, asymmetric):
+def test_quantize_int8_error_is_within_its_theory_and_each_group_takes_the_better_grid(cols):
     g = torch.Generator().manual_seed(0)
-    # rows and column blocks of very different scale: one large column per row would set a per-row step
+    # rows of very different scale, one large column per row (a per-row step would be 40x coarser), and
+    # rows whose weights are all of one sign (the symmetric grid wastes half its levels there)
     w = torch.randn(64, cols, generator=g) * torch.linspace(0.01, 3.0, 64)[:, None]
     w[:, 5] *= 40.0
-    qt = quantize_int8(w, 64, asymmetric)
-    assert qt.group_size == 64 and qt.scale.dtype == torch.float16 and qt.scale.shape == (64, -(-cols // 64))
-    assert (qt.minimum is not None) == asymmetric
-    step = _group_expand(qt.scale, 64, cols)
+    w[:8] = w[:8].abs() + 1.0
+    qt = quantize_int8(w, 32)
+    assert qt.group_size == 32 and qt.scale.dtype == qt.minimum.dtype == torch.float16
+    assert qt.scale.shape == qt.minimum.shape == (64, -(-cols // 32))
+    sym, bound = _bound(w, qt)
     err = (qt.dequantize() - w).abs()
-    assert torch.all(err <= step / 2 + 1e-6 + 1e-3 * w.abs())  # half a step of its own group (+ fp16 minimum)
-    # the groups without the large column keep a step 40x finer than one scale per row would give
-    assert float(step[:, 64:].amax()) < float(w.abs().amax(dim=1).max()) / 127 / 10
-    extra = 0 if qt.minimum is None else qt.minimum.numel() * 2
-    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * cols + qt.scale.numel() * 2 + extra
+    assert torch.all(err <= bound)
+    # the bound is the theory's, not a loose one: errors come within 90% of half a step
+    assert float((err / _group_expand(qt.scale, 32, cols)).max()) > 0.45
+    # both grids are used: one-signed rows take the asymmetric one, some zero-centred groups the symmetric one
+    assert not sym[:8].any() and sym[8:].any()
+    # each group's squared error is the smaller of the two grids' (the test's own quantizers, fp16 scales)
+    wf = _padded(w, 32)
+    real = (torch.arange(wf.shape[1] * 32) < cols).float().view(1, -1, 32)  # padding columns are not weights
+    lo = wf.amin(dim=2).to(torch.float16).float()[..., None]
+    sc = ((wf.amax(dim=2, keepdim=True) - lo) / 255).to(torch.float16).float()
+    asym = ((wf - lo) / sc).round().clamp(0, 255) * sc + lo
+    sc = (wf.abs().amax(dim=2, keepdim=True) / 127).to(torch.float16).float()
+    symm = (wf / sc).round().clamp(-127, 127) * sc
+    err2 = (_padded(qt.dequantize(), 32) - wf).square().mul(real).sum(dim=2)
+    for alt in (asym, symm):
+        assert torch.all(err2 <= (alt - wf).square().mul(real).sum(dim=2) * (1 + 1e-5) + 1e-12)
+    assert qt.q.dtype == torch.int8 and qt.nbytes == 64 * cols + 2 * qt.scale.numel() * 2
+
+
+def test_weights_already_on_an_8_or_4_bit_grid_come_back_exactly():
+    """Weights dequantized from GGUF blocks of 32 (Q8_0: q * d; Q4_1: k * d + m, fp16 d and m) keep their
+    values: Q8_0's exactly (the symmetric grid is theirs), Q4_1's within the fp16 rounding of d / 17."""
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(128, 6, generator=g) * 0.02 + 1e-3).to(torch.float16).float()
+    q8 = torch.randint(-127, 128, (128, 6, 32), generator=g).float()
+    q8[:, :, 0] = 127  # Q8_0 puts a block's largest magnitude at +-127
+    w8 = (q8 * d[..., None]).view(128, 192)
+    assert torch.equal(quantize_int8(w8).dequantize(), w8)
+    m = (torch.rand(128, 6, generator=g) * -0.05).to(torch.float16).float()
+    k = torch.randint(0, 16, (128, 6, 32), generator=g).float()
+    k[:, :, 0], k[:, :, 1] = 0, 15  # Q4_1 spans a block's [min, max] with levels 0 and 15
+    w4 = (k * d[..., None] + m[..., None]).view(128, 192)
+    err = (quantize_int8(w4).dequantize() - w4).abs().view(128, 6, 32)
+    assert torch.all(err <= 15 * d[..., None] * 2.0 ** -11 + 1e-7)
+    # groups of 64 straddle two blocks of different grids: their error is several times larger
+    assert float((quantize_int8(w4, 64).dequantize() - w4).abs().max()) > 4 * float(err.max())
 
 
 def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
@@ -127,18 +179,22 @@ def test_int8_file_roundtrip_and_fewer_bytes(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_expands_straight_into_the_compute_dtype(dtype):
-    """One pass (q * s computed in fp32, rounded once) gives the three-pass result bit for bit."""
+    """One pass (q * s + offset computed in fp32, rounded once) gives the three-pass result bit for bit; a
+    QTensor without an offset (symmetric only) expands as q * s."""
+    from gpuservd.runner.qtensor import QTensor
 
-    for cols, asymmetric in ((128, False), (40, False), (128, True), (40, True)):  # whole and short groups
-        qt = quantize_int8(torch.randn(96, cols, generator=torch.Generator().manual_seed(1)), 64, asymmetric)
-        got = qt.dequantize(dtype)
-        s = _group_expand(qt.scale, qt.group_size, cols)
-        if asymmetric:
-            bias = _group_expand(qt.minimum, qt.group_size, cols) + 128 * s
-            want = torch.addcmul(bias, qt.q.to(torch.float32), s).to(dtype)
-        else:
-            want = (qt.q.to(torch.float32) * s).to(dtype)
-        assert got.dtype == dtype and torch.equal(got, want)
+    for cols in (128, 40):  # whole and short groups
+        qt = quantize_int8(torch.randn(96, cols, generator=torch.Generator().manual_seed(1)), 32)
+        for minimum in (qt.minimum, None):
+            qt = QTensor(qt.q, qt.scale, qt.group_size, minimum)
+            got = qt.dequantize(dtype)
+            s = _group_expand(qt.scale, qt.group_size, cols)
+            if minimum is not None:
+                bias = _group_expand(qt.minimum, qt.group_size, cols) + 128 * s
+                want = torch.addcmul(bias, qt.q.to(torch.float32), s).to(dtype)
+            else:
+                want = (qt.q.to(torch.float32) * s).to(dtype)
+            assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_tensor_ranges_point_at_each_tensors_bytes(tmp_path):
@@ -216,6 +272,23 @@ def _old_per_row_file(model_dir) -> None:
     save_file(tensors, str(int8_path(model_dir)), metadata={"format": "pt", "gpuserv": "int8-per-row-symmetric"})
 
 
+def _format2_file(model_dir) -> None:
+    """An INT8 file as format 2 wrote it: asymmetric groups of 64 input columns."""
+    from safetensors.torch import save_file
+
+    reader = SafetensorsReader(model_dir)
+    tensors = {}
+    for name in reader.names():
+        t = reader.get(name)
+        if t.dim() == 2:
+            qt = quantize_int8(t, 64)
+            tensors[name + ".q"], tensors[name + ".scale"], tensors[name + ".min"] = qt.q, qt.scale, qt.minimum
+        else:
+            tensors[name] = t
+    save_file(tensors, str(int8_path(model_dir)), metadata={"format": "pt", "gpuserv_int8": "2", "group_size": "64",
+                                                            "scheme": "int8-asymmetric-groupwise"})
+
+
 def test_an_int8_file_of_the_old_format_is_made_again_never_misread(tiny_model_dir, tmp_path):
     import shutil
 
@@ -227,15 +300,24 @@ def test_an_int8_file_of_the_old_format_is_made_again_never_misread(tiny_model_d
     shutil.copytree(tiny_model_dir, d)
     _old_per_row_file(d)
     write_agreement(d, {"teacher_forced_top1": 0.5})
-    with pytest.raises(Int8Stale, match="format 1 .per-row., this gpuserv reads format 2"):
+    with pytest.raises(Int8Stale, match="format 1 .per-row., this gpuserv reads format 3"):
         Int8Reader(int8_path(d))  # its [out] scales would broadcast wrongly over groups: refused, not read
     # the daemon's store source makes it again, in the current format, and reads that
     source, tier, nbytes = store_source(d, "int8")
-    assert tier == "disk-int8" and int8_format(int8_path(d)) == FORMAT == "2"
+    assert tier == "disk-int8" and int8_format(int8_path(d)) == FORMAT == "3"
     assert read_agreement(d) is None  # measured on the old file: not this file's numbers
     fresh = tmp_path / "fresh"
     shutil.copytree(tiny_model_dir, fresh)
     Int8Reader(write_int8(SafetensorsReader(fresh), fresh))
+    for name in source.names():
+        assert torch.equal(source.get(name), Int8Reader(int8_path(fresh)).get(name))
+    # a file of format 2 (groups of 64, its agreement measured on it) is refused and made again as well
+    _format2_file(d)
+    write_agreement(d, {"teacher_forced_top1": 0.971})
+    with pytest.raises(Int8Stale, match="format 2, this gpuserv reads format 3"):
+        Int8Reader(int8_path(d))
+    source, _, _ = store_source(d, "int8")
+    assert int8_format(int8_path(d)) == "3" and source.group_size == 32 and read_agreement(d) is None
     for name in source.names():
         assert torch.equal(source.get(name), Int8Reader(int8_path(fresh)).get(name))
     # a file that is not safetensors at all is made again too

@@ -15,14 +15,14 @@ import torch
 
 @dataclass
 class QTensor:
-    """An int8 matrix with, per group of `group_size` input columns of each row, a scale and (asymmetric) the
-    group's minimum: W[r, c] ~= (q[r, c] + 128) * scale[r, g] + minimum[r, g], g = c // group_size; without
-    a minimum (symmetric) W[r, c] ~= q[r, c] * scale[r, g]."""
+    """An int8 matrix with, per group of `group_size` input columns of each row, a scale and an offset:
+    W[r, c] ~= (q[r, c] + 128) * scale[r, g] + minimum[r, g], g = c // group_size (weights/quant.py writes
+    a symmetric group as minimum = -128 * scale); without a minimum W[r, c] ~= q[r, c] * scale[r, g]."""
 
     q: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # float16 [out, ceil(in / group_size)]
     group_size: int
-    minimum: torch.Tensor | None = None  # float16 [out, groups]: each group's smallest weight (asymmetric)
+    minimum: torch.Tensor | None = None  # float16 [out, groups]: each group's offset (its grid's lowest level)
 
     @property
     def nbytes(self) -> int:

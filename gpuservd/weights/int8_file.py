@@ -1,15 +1,15 @@
 """INT8 weights on disk: a compressed copy of a store model, next to its safetensors.
 
 `<model dir>/int8/model.safetensors` holds each matrix as `<name>.q` (int8) and
-`<name>.scale` (fp16, one per group of input columns; weights/quant.py) and every
-other tensor unchanged. It is written once (atomically) and read like the
-original: `Int8Reader.get(name)` returns the tensor expanded to fp32, so the
+`<name>.scale` and `<name>.min` (fp16, one each per group of input columns;
+weights/quant.py) and every other tensor unchanged. It is written once
+(atomically) and read like the original: `Int8Reader.get(name)` returns the tensor expanded to fp32, so the
 runner loads from it unchanged; `get_stored` hands the loader the int8 bytes to
 expand on the device.
 
 The file says which format it is (`gpuserv_int8` in the safetensors metadata).
-A file of another format (the per-row one before groups, or anything else) is
-never read as this one: `Int8Reader` refuses it (`Int8Stale`) and `ensure_int8`
+A file of another format (the per-row one, format 2's groups of 64, or anything
+else) is never read as this one: `Int8Reader` refuses it (`Int8Stale`) and `ensure_int8`
 makes it again from the original weights.
 
 `int8/agreement.json` holds how well the INT8 weights keep the model's answers
@@ -30,18 +30,17 @@ from safetensors.torch import save_file
 from gpuservd.errors import StoreCorrupt
 from gpuservd.store.readahead import FileReadahead
 from gpuservd.store.tensor_file import TensorFile
-from gpuservd.weights.quant import ASYMMETRIC, GROUP_SIZE, QTensor, quantizable, quantize_int8
+from gpuservd.weights.quant import GROUP_SIZE, QTensor, quantizable, quantize_int8
 
 log = logging.getLogger("gpuservd.weights")
 
 SUBDIR = "int8"
 FILE = "model.safetensors"
 AGREEMENT = "agreement.json"
-FORMAT = "2"  # 1 (no marker): one fp32 scale per row; 2: fp16 scales per group of input columns
-
-
-def scheme() -> str:
-    return f"int8-{'asymmetric' if ASYMMETRIC else 'symmetric'}-groupwise"
+# 1 (no marker): one fp32 scale per row; 2: fp16 scale (and minimum) per 64 input columns, asymmetric;
+# 3: fp16 scale and offset per 32 input columns, each group on the better of two grids
+FORMAT = "3"
+SCHEME = "int8-groupwise-asymmetric-or-symmetric"
 
 
 class Int8Stale(StoreCorrupt):
@@ -73,7 +72,7 @@ def write_int8(reader, model_dir: Path, group_size: int = GROUP_SIZE) -> Path:
         else:
             tensors[name] = t.contiguous()
     tmp = out.with_name(f".{FILE}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "gpuserv_int8": FORMAT, "scheme": scheme(),
+    save_file(tensors, str(tmp), metadata={"format": "pt", "gpuserv_int8": FORMAT, "scheme": SCHEME,
                                            "group_size": str(group_size), "scale_dtype": "float16"})
     os.replace(tmp, out)
     (out.parent / AGREEMENT).unlink(missing_ok=True)  # measured on the file this one replaces
