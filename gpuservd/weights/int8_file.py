@@ -1,16 +1,16 @@
 """INT8 weights on disk: a compressed copy of a store model, next to its safetensors.
 
-`<model dir>/int8/model.safetensors` holds each matrix as `<name>.q` (int8) and
+`<model dir>/int8/model.safetensors` holds each matrix as `<name>.q` (int8),
 `<name>.scale` and `<name>.min` (fp16, one each per group of input columns;
 weights/quant.py) and every other tensor unchanged. It is written once
-(atomically) and read like the original: `Int8Reader.get(name)` returns the tensor expanded to fp32, so the
-runner loads from it unchanged; `get_stored` hands the loader the int8 bytes to
-expand on the device.
+(atomically) and read like the original: `Int8Reader.get(name)` returns the
+tensor expanded to fp32, so the runner loads from it unchanged; `get_stored`
+hands the loader the int8 bytes to expand on the device.
 
 The file says which format it is (`gpuserv_int8` in the safetensors metadata).
 A file of another format (the per-row one, format 2's groups of 64, or anything
-else) is never read as this one: `Int8Reader` refuses it (`Int8Stale`) and `ensure_int8`
-makes it again from the original weights.
+else) is never read as this one: `Int8Reader` refuses it (`Int8Stale`) and
+`ensure_int8` makes it again from the original weights.
 
 `int8/agreement.json` holds how well the INT8 weights keep the model's answers
 (engine/agreement.py measures it), tied to the file it was measured on.
