@@ -150,3 +150,23 @@ def test_a_step_that_beats_the_floor_says_the_probe_was_wrong_never_a_ratio_unde
     assert "the probe was wrong" in text and "ratio 0." not in text
     write_report(tmp_path, FakeWorkload(), [ours], two, {"dtype": "float32", "num_threads": 2})
     assert f"ratio {two['ratio']:.2f}" in md.read_text()
+
+
+def test_report_names_the_longest_request_and_its_completion_in_each_config(tmp_path):
+    """The starvation check reads from one run: the longest request (most output tokens) is found once and
+    its completion compared across configs, gpuserv (the --config) over each --compare."""
+    def run(system, long_finish):
+        reqs = [RequestTiming("short-0", "short", 0.0, 0.5, 3.0, 8, 16),
+                RequestTiming("long-0", "long", 0.0, 1.0, 20.0, 8, 300),
+                RequestTiming("long-1", "long", 0.0, 1.0, long_finish, 8, 400)]
+        return SystemRun(system, long_finish, reqs, {})
+
+    res = write_report(tmp_path, FakeWorkload(), [run("gpuserv", 44.0), run("gpuserv[fcfs]", 40.0)], None, {})
+    top = res["longest_request"]
+    assert top["request_id"] == "long-1" and top["output_tokens"] == 400 and top["cls"] == "long"
+    assert top["completion_s"] == {"gpuserv": 44.0, "gpuserv[fcfs]": 40.0}
+    assert top["gpuserv_over"] == {"gpuserv[fcfs]": pytest.approx(1.1)}
+    assert res["systems"]["gpuserv[fcfs]"]["latency_s"]["long"]["p99"] == pytest.approx(39.8)  # per-class P99
+    md = (tmp_path / "result.md").read_text()
+    assert "Longest request long-1 (long, 8 + 400 tokens)" in md and "gpuserv / gpuserv[fcfs] 1.10x" in md
+    assert json.loads((tmp_path / "result.json").read_text())["longest_request"]["completion_s"]["gpuserv"] == 44.0

@@ -85,7 +85,7 @@ def test_max_num_seqs_limits_running():
 
 
 def test_new_requests_wait_when_kv_pool_is_full():
-    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64)
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64, order="fcfs")
     for r in make_requests([12, 8]):  # 3 blocks + 2 blocks > 4
         s.add(r)
     out = s.schedule()
@@ -124,8 +124,9 @@ def test_unknown_policy_names_the_choices():
 
 
 def _full_pool_with(outputs: list[int], max_tokens: list[int], policy: str, **pre):
-    """Three running requests filling a 6-block pool (2 blocks each), with given progress."""
-    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64,
+    """Three running requests filling a 6-block pool (2 blocks each), with given progress, admitted in
+    arrival order (order fcfs: "newest" is then r2)."""
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_prefill_tokens=64, order="fcfs",
                        preemption=PreemptionConfig(victim_policy=policy, **pre))
     reqs = []
     for i, (n_out, mt) in enumerate(zip(outputs, max_tokens)):

@@ -128,6 +128,22 @@ def drag(runs: list[SystemRun]) -> dict:
             for run in runs if _ours(run.system) and run is not alone}
 
 
+def longest_request(runs: list[SystemRun]) -> dict | None:
+    """The workload's longest request (most output tokens, then prompt tokens; the same request in every
+    system) and its completion time (finish - arrival) in each: what starvation would show in first.
+    gpuserv_over: gpuserv's completion over each other system's (with `--config srf --compare fcfs`,
+    gpuserv / gpuserv[fcfs] is SRF's cost to the longest request against arrival order)."""
+    ours = next((r for r in runs if r.system == OURS), runs[0] if runs else None)
+    if ours is None or not ours.requests:
+        return None
+    top = max(ours.requests, key=lambda r: (r.output_tokens, r.prompt_tokens))
+    completion = {run.system: next((r.latency_s for r in run.requests if r.request_id == top.request_id), None)
+                  for run in runs}
+    return {"request_id": top.request_id, "cls": top.cls, "prompt_tokens": top.prompt_tokens,
+            "output_tokens": top.output_tokens, "completion_s": completion,
+            "gpuserv_over": {name: _ratio(completion.get(OURS), c) for name, c in completion.items() if name != OURS}}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -181,6 +197,7 @@ def write_report(out_dir, workload, runs: list[SystemRun], floor: dict | None, c
         "ratios": ratios(systems, classes),
         "variants": variants(systems, classes),
         "drag": drag(runs),
+        "longest_request": longest_request(runs),
         "floor": floor,
         "meta": meta(workload, runs, config or {}),
         "skipped": dict(skipped or {}),
@@ -220,6 +237,7 @@ def markdown(result: dict) -> str:
         cells.append(_f(r["ttft_p50"].get("all"), "{:.2f}x"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += http_lines(result)
+    lines += _longest_lines(result.get("longest_request"))
     lines += _preemption_lines(result, groups)
     lines += _prefix_cache_lines(result)
     fl = result.get("floor")
@@ -236,6 +254,15 @@ def markdown(result: dict) -> str:
     lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}{why}, "
                   f"{m['threads']} threads, torch {m['torch']}, transformers {m['transformers']}.", ""]
     return "\n".join(lines)
+
+
+def _longest_lines(top: dict | None) -> list[str]:
+    if not top:
+        return []
+    times = ", ".join(f"{name} {_f(c)} s" for name, c in top["completion_s"].items())
+    ratios = ", ".join(f"{OURS} / {name} {_f(r, '{:.2f}x')}" for name, r in top["gpuserv_over"].items())
+    return ["", f"Longest request {top['request_id']} ({top['cls']}, {top['prompt_tokens']} + {top['output_tokens']} "
+                f"tokens), completion: {times}" + (f"; {ratios}" if ratios else "") + "."]
 
 
 def _prefix_cache_lines(result: dict) -> list[str]:

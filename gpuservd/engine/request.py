@@ -178,6 +178,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_preemptions: int = 0  # times this request was preempted
     admitted_time: float = 0.0  # monotonic time it last entered the running batch
+    arrival_step: int = 0  # the scheduler's step count when it was queued: the age SRF's aging counts from
     # Recompute that kept a tail of blocks: tokens [0, rebuild.until) are rebuilt first, then
     # num_computed_tokens jumps to rebuild.resume_at (the kept blocks cover the rest). Its blocks
     # themselves are the KV cache manager's (kv_cache/manager.py).

@@ -5,12 +5,15 @@ A step's decision, in order:
    is above, a victim's KV leaves the device (to host memory, whole or in part).
 2. (preemption on, granularity token or layer) displacement: a waiting request
    that cannot be admitted and outranks running requests (higher priority, or
-   equal priority and a remaining estimate `outrank_ratio` times shorter) takes
-   the place of victims chosen among those it outranks.
+   equal priority and, under `order: srf`, an aged remaining-work claim
+   `outrank_ratio` times smaller) takes the place of victims chosen among those
+   it outranks.
 3. Every running sequence gets its next tokens (one decode token, or the next
    prefill chunk); one that needs a block when none is free takes it from a
    victim (the victim policy); with preemption off the victim is recomputed.
-4. Waiting requests are admitted while the token budget, the prefill budget,
+4. Waiting requests are admitted (priority first, then the least remaining work
+   with aging under `order: srf` or arrival under fcfs: engine/policy.py) while
+   the token budget, the prefill budget,
    `max_num_seqs`, their tenant's quota and the KV pool allow. A swapped request
    comes back with a swap-in; a dropped one re-allocates its dropped blocks and
    rebuilds them with a prefix prefill.
@@ -28,8 +31,8 @@ from __future__ import annotations
 
 import time
 
-from gpuservd.config import PreemptionConfig, SchedulerConfig
-from gpuservd.engine.policy import Policy, queue_key
+from gpuservd.config import Order, PreemptionConfig, SchedulerConfig
+from gpuservd.engine.policy import Policy, WorkOrder, queue_key
 from gpuservd.engine.preemption import (AutoMode, CostModel, Granularity, MoveKind, PreemptionMode,
                                         plan_kind)
 from gpuservd.engine.quota import UNLIMITED, TenantQuota
@@ -60,6 +63,7 @@ class Scheduler:
         self.block_size = block_size
         self.policy = Policy.parse(config.policy)
         self._key = queue_key(self.policy)
+        self.order = WorkOrder(Order.parse(config.order), config.aging)
         self.cost = CostModel()
         self.auto = AutoMode(p.auto_window, p.auto_ratio, p.auto_min_samples)
         self.quotas: dict[str, TenantQuota] = {}
@@ -75,6 +79,7 @@ class Scheduler:
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
         request.state = RequestState.WAITING
+        request.arrival_step = self._step_id
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
@@ -171,10 +176,18 @@ class Scheduler:
         self._release(r)
         r.state = RequestState.PREEMPTED
 
+    def claim(self, r: Request) -> float:
+        """r's rank by remaining work under `scheduler.order` now (smaller first; 0 for all under fcfs)."""
+        return self.order.claim(r, self._step_id)
+
     def _outranks(self, w: Request, r: Request) -> bool:
         if w.priority != r.priority:
             return w.priority > r.priority
-        return r.remaining_estimate >= self.preemption.outrank_ratio * w.remaining_estimate
+        if not self.order.srf:
+            return False  # arrival order: equal priorities never pass each other, not even by displacement
+        # Aged claims on both sides: a running request that has been in the engine long enough for its
+        # claim to run out is not displaced by a newcomer, whatever its length (its wait is bounded).
+        return max(1.0, self.claim(r)) >= self.preemption.outrank_ratio * max(1.0, self.claim(w))
 
     def _usable_blocks(self) -> int:
         """Blocks admission may fill: the threshold's share of the pool while preemption is on."""
@@ -204,13 +217,12 @@ class Scheduler:
         return blocks.get(r.tenant, 0) + extra_blocks + self.reserved_blocks(r.tenant) <= q.max_kv_blocks
 
     def _order_waiting(self, seqs: dict[str, int]) -> None:
-        """Priority first; then, with preemption on, the shortest remaining estimate; tenants of
-        equal priority by running sequences per unit of weight; then the policy's own order."""
-        on = self.preemption_on
+        """Priority first; then (order srf, in every preemption mode) the least aged remaining work;
+        tenants by running sequences per unit of weight; then the policy's own order (engine/policy.py)."""
 
         def key(r: Request):
             share = seqs.get(r.tenant, 0) / self.quota(r.tenant).weight
-            return (-r.priority, r.remaining_estimate if on else 0, share) + self._key(r)
+            return (-r.priority, self.claim(r), share) + self._key(r)
 
         self.waiting.sort(key=key)
 
@@ -255,13 +267,13 @@ class Scheduler:
                     return
             if not self.running:
                 return
-            victim = choose_victim(self.running, self.preemption, now) or fallback_victim(self.running)
+            victim = choose_victim(self.running, self.preemption, now, self.claim) or fallback_victim(self.running)
             self._preempt(victim, out, need=self.pool.num_used - self.pool.capacity, reason="quota")
 
     def _enforce_threshold(self, out: SchedulerOutput, now: float) -> None:
         usable = self._usable_blocks()
         while self.pool.num_used > usable and len(self.running) > 1:
-            victim = choose_victim(self.running, self.preemption, now)
+            victim = choose_victim(self.running, self.preemption, now, self.claim)
             if victim is None:
                 return
             self._preempt(victim, out, need=self.pool.num_used - usable, reason="threshold")
@@ -281,7 +293,7 @@ class Scheduler:
                 continue
             while slots < 1 or need > self._usable_blocks() - self.pool.num_used - reserved:
                 outranked = [r for r in self.running if self._outranks(w, r)]
-                victim = choose_victim(outranked, self.preemption, now) if victims_left > 0 else None
+                victim = choose_victim(outranked, self.preemption, now, self.claim) if victims_left > 0 else None
                 if victim is None:
                     return  # w waits; requests ranked below it do not displace either
                 self._preempt(victim, out, need=max(1, need - (self._usable_blocks() - self.pool.num_used)),
@@ -298,8 +310,10 @@ class Scheduler:
         prefill_seqs = 0
         scheduled: set[int] = set()
         # Pinned requests first: a block they need comes from the free pool or from a request that
-        # may still be preempted, never from one already scheduled this step.
-        for req in sorted(self.running, key=lambda r: not self.is_pinned(r)):
+        # may still be preempted, never from one already scheduled this step. Under srf the decodes
+        # (one token each) come next and the prefill budget goes by least remaining work; under fcfs
+        # everyone keeps admission order.
+        for req in sorted(self.running, key=self._running_key):
             if token_budget <= 0:
                 break
             if req not in self.running:
@@ -318,7 +332,7 @@ class Scheduler:
                 if self._reclaim_from_waiting(None, short, set(out.preempted_ids)):
                     continue  # blocks kept by paused requests come before a running victim's
                 candidates = [r for r in self.running if id(r) not in scheduled]
-                victim = choose_victim(candidates, self.preemption, now)
+                victim = choose_victim(candidates, self.preemption, now, self.claim)
                 if victim is None:
                     break
                 self._preempt(victim, out, need=self.kv.blocks_needed(req, num_new), reason="memory")
@@ -333,6 +347,11 @@ class Scheduler:
                 prefill_budget -= num_new
                 prefill_seqs += 1
         return token_budget, prefill_budget, prefill_seqs
+
+    def _running_key(self, r: Request) -> tuple:
+        if not self.order.srf:
+            return (not self.is_pinned(r),)
+        return not self.is_pinned(r), r.gap_end - r.num_computed_tokens > 1, self.claim(r)
 
     def _within_tenant_blocks(self, req: Request, num_new: int, out: SchedulerOutput, now: float,
                               scheduled: set[int]) -> bool:
@@ -354,7 +373,7 @@ class Scheduler:
             own = [r for r in self.running if r.tenant == req.tenant and id(r) not in scheduled]
             if not own:
                 return False  # its blocks are parked by this step's victims: it waits a step
-            victim = choose_victim(own, self.preemption, now) or fallback_victim(own)
+            victim = choose_victim(own, self.preemption, now, self.claim) or fallback_victim(own)
             self._preempt(victim, out, need=over, reason="tenant_quota")
             if victim is req:
                 return False

@@ -8,6 +8,12 @@ Policies, named in `VictimPolicy`:
   total time, so a request close to done is never thrown back.
 - `weighted`: a score over remaining tokens, priority and resources already
   spent (tokens whose KV would be lost), weights in config.
+- `srf`: the request the waiting queue's order would rank last: the largest
+  claim (remaining work less aging, engine/policy.py). Under `scheduler.order:
+  srf` any other victim is the wrong one: it ranks ahead of some running request
+  and comes straight back, and the preemption bought nothing. A request that
+  has waited long has a small claim, so aging protects it here too. Under
+  `order: fcfs` every claim is 0 and the newest is chosen.
 
 Every policy honours two guards: a request that has run for less than
 `min_exec_s` since it was (re)admitted is not chosen (a minimum execution time
@@ -18,6 +24,8 @@ engine never deadlocks.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from gpuservd.config import PreemptionConfig, VictimPolicy
 from gpuservd.engine.request import Request
@@ -38,8 +46,10 @@ def _norm(values: list[float]) -> list[float]:
     return [0.0 if hi == lo else (v - lo) / (hi - lo) for v in values]
 
 
-def choose_victim(candidates: list[Request], cfg: PreemptionConfig, now: float) -> Request | None:
-    """The request to preempt among candidates (admission order), or None if the guards exclude all."""
+def choose_victim(candidates: list[Request], cfg: PreemptionConfig, now: float,
+                  claim: Callable[[Request], float] | None = None) -> Request | None:
+    """The request to preempt among candidates (admission order), or None if the guards exclude all.
+    claim: the scheduler's order key (policy `srf`; None ranks by tokens left to generate)."""
     eligible = [
         r for r in candidates
         if r.num_preemptions < cfg.max_preemptions and now - r.admitted_time >= cfg.min_exec_s
@@ -53,6 +63,8 @@ def choose_victim(candidates: list[Request], cfg: PreemptionConfig, now: float) 
         return max(reversed(eligible), key=remaining_tokens)
     if policy is VictimPolicy.PROGRESS:
         return min(reversed(eligible), key=progress)
+    if policy is VictimPolicy.SRF:
+        return max(reversed(eligible), key=claim or remaining_tokens)  # ties: the newest
     w = cfg.weights
     rem = _norm([float(remaining_tokens(r)) for r in eligible])
     pri = _norm([float(r.priority) for r in eligible])
