@@ -180,8 +180,8 @@ def test_peer_command_lines_match_gpuservs_run(tiny_model_dir, tmp_path, monkeyp
     assert vllm_peer.find_tcmalloc(dirs=[lib]) is None
     (lib / "libtcmalloc_minimal.so.4").write_bytes(b"")
     found = vllm_peer.find_tcmalloc(dirs=[lib])
-    spec, settings = vllm_peer.server_spec(job, {"python": "/v/python", "tcmalloc": found}, 99)
-    assert spec.env["LD_PRELOAD"] == str(lib / "libtcmalloc_minimal.so.4")
+    spec, settings = vllm_peer.server_spec(job, {"python": "/v/python", "tcmalloc": found, "iomp": "/v/libiomp5.so"}, 99)
+    assert spec.env["LD_PRELOAD"] == f"{lib / 'libtcmalloc_minimal.so.4'}:/v/libiomp5.so"
     assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     cmd = spec.cmd
     assert arg("--max-num-seqs") == "8" and arg("--dtype") == "float32" and arg("--max-model-len") == "512"

