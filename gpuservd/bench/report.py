@@ -284,7 +284,8 @@ def _prefix_cache_lines(result: dict) -> list[str]:
 
 def _preemption_lines(result: dict, groups: list[str]) -> list[str]:
     """Per gpuserv run: what preemption did and cost; variants against the base; the drag."""
-    ours = {n: s for n, s in result["systems"].items() if _ours(n)}
+    # The in-process runs: a run through HTTP (report_http.py) has no engine records to show here.
+    ours = {n: s for n, s in result["systems"].items() if _ours(n) and s["extra"].get("target") != "http"}
     if not any("num_preempted" in s["extra"] for s in ours.values()):
         return []
     head = ["run", "preemptions", "max per request", "kinds", "swap MB", "tokens recomputed", "layer suspends",

@@ -105,5 +105,5 @@ def server_spec(job: PeerJob, installed: dict, port: int) -> tuple[ServerSpec, d
                 "kv_cache_space_gib": kv_gib, "dtype": job.dtype,
                 "tcmalloc": installed.get("tcmalloc") or TCMALLOC_HINT}
     spec = ServerSpec(name=NAME, cmd=cmd, env=env, ready_path="/health", base_url=f"http://127.0.0.1:{port}",
-                      ready_timeout_s=900.0)
+                      ready_timeout_s=1800.0)  # about 2 min on 2 quiet cores; much longer on a loaded box
     return spec, settings
