@@ -5,6 +5,9 @@ One daemon, preemption off, a KV pool of 80 blocks (320 tokens): 40 short reques
 together so the pool stays full with a queue behind it (quota), and recompute preemptions hit the
 same requests again and again (starvation). Meanwhile `gpuserv record` captures the traffic, and the
 trace is replayed by `gpuserv bench -w`; `gpuserv doctor` lists the hints.
+
+The tests that read live hints come first: kv_quota_small looks at the last 30 s of steps and the daemon is
+idle after the workload, so the hint goes off once those steps age out (the slow replay comes last).
 """
 
 from __future__ import annotations
@@ -123,29 +126,6 @@ def test_status_and_metrics_say_which_rules_have_no_data_here(run):
     assert 'gpuserv_hint_fed{name="bandwidth_bound"} 0.0' in text
 
 
-def test_record_captures_the_traffic_as_a_trace(run):
-    _, _, trace, _, out, _ = run
-    lines = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert len(lines) == NUM_SHORT + NUM_LONG and f"{len(lines)} requests recorded" in out
-    assert sorted(x["output_tokens"] for x in lines) == [4] * NUM_SHORT + [LONG] * NUM_LONG
-    for x in lines:
-        assert set(x) == {"t", "model", "prompt_tokens", "output_tokens", "priority", "tenant"}  # no prompt text
-        assert x["model"] == "tiny" and x["prompt_tokens"] >= 1 and x["priority"] == 0 and x["t"] >= 0
-    assert max(x["t"] for x in lines) < 30  # one burst
-
-
-def test_recorded_trace_replays_with_bench(run, tmp_path, monkeypatch, capsys):
-    trace, home = run[2], run[5]
-    monkeypatch.setenv("GPUSERV_HOME", str(home))
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("engine:\n  kv_cache_bytes: 4MiB\n  block_size: 4\n  num_threads: 1\n")
-    out = tmp_path / "out"
-    assert invoke("bench", "-w", str(trace), "--config", str(cfg), "--peers", "none", "--out", str(out)) == 0
-    g = json.loads((out / "result.json").read_text())["systems"]["gpuserv"]
-    assert g["num_requests"] == NUM_SHORT + NUM_LONG
-    assert g["generated_tokens"] == NUM_SHORT * 4 + NUM_LONG * LONG
-
-
 def test_doctor_lists_the_live_hints(run, capsys):
     d = run[0]
     wait_until(lambda: "kv_quota_small" in active(d), 30, what="kv hint")
@@ -191,3 +171,26 @@ def test_prompt_text_goes_only_to_a_reader_that_asks(run):
     assert [(e["tenant"], e["priority"]) for e in fin] == [(mine.name, mine.priority)] * 2
     assert os.getuid() != 0 or mine.priority == 10  # as root, a priority the request could not have had by default
     assert all(e["arrival_t"] <= e["t"] for e in fin)
+
+
+def test_record_captures_the_traffic_as_a_trace(run):
+    _, _, trace, _, out, _ = run
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len(lines) == NUM_SHORT + NUM_LONG and f"{len(lines)} requests recorded" in out
+    assert sorted(x["output_tokens"] for x in lines) == [4] * NUM_SHORT + [LONG] * NUM_LONG
+    for x in lines:
+        assert set(x) == {"t", "model", "prompt_tokens", "output_tokens", "priority", "tenant"}  # no prompt text
+        assert x["model"] == "tiny" and x["prompt_tokens"] >= 1 and x["priority"] == 0 and x["t"] >= 0
+    assert max(x["t"] for x in lines) < 30  # one burst
+
+
+def test_recorded_trace_replays_with_bench(run, tmp_path, monkeypatch, capsys):
+    trace, home = run[2], run[5]
+    monkeypatch.setenv("GPUSERV_HOME", str(home))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("engine:\n  kv_cache_bytes: 4MiB\n  block_size: 4\n  num_threads: 1\n")
+    out = tmp_path / "out"
+    assert invoke("bench", "-w", str(trace), "--config", str(cfg), "--peers", "none", "--out", str(out)) == 0
+    g = json.loads((out / "result.json").read_text())["systems"]["gpuserv"]
+    assert g["num_requests"] == NUM_SHORT + NUM_LONG
+    assert g["generated_tokens"] == NUM_SHORT * 4 + NUM_LONG * LONG
