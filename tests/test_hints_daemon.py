@@ -6,8 +6,9 @@ together so the pool stays full with a queue behind it (quota), and recompute pr
 same requests again and again (starvation). Meanwhile `gpuserv record` captures the traffic, and the
 trace is replayed by `gpuserv bench -w`; `gpuserv doctor` lists the hints.
 
-The tests that read live hints come first: kv_quota_small looks at the last 30 s of steps and the daemon is
-idle after the workload, so the hint goes off once those steps age out (the slow replay comes last).
+kv_quota_small looks at the last 30 s of steps and the daemon is idle after the workload, so that hint goes
+off once those steps age out: the tests read its activation from the event stream, and the tests that need
+a live hint use preemption_off_skewed (5 minutes of finished requests). The slow replay comes last.
 """
 
 from __future__ import annotations
@@ -87,25 +88,27 @@ def test_workload_fires_s7_quota_and_starvation_rules(run):
     d, hints, _, codes, _, _ = run
     assert codes.count(200) == NUM_SHORT + NUM_LONG
     want = {"preemption_off_skewed", "kv_quota_small", "starvation"}
-    wait_until(lambda: want <= set(active(d)), 30, interval=0.2, what=lambda: f"hints {want} (active: {sorted(active(d))})")
-    # The evidence is refreshed every evaluation: wait for one that saw every request finish.
+
+    def fired() -> dict:  # name -> the hint event that announced its activation, with the evidence then
+        return {e["name"]: e for e in list(hints) if e.get("type") == "hint" and e["active"]}
+
+    # On the stream, not in status now: kv_quota_small judges the last 30 s of steps, and on a loaded machine
+    # the workload's tail (a few long requests, no queue) can outlast that window before this test looks.
+    wait_until(lambda: want <= set(fired()), 60, interval=0.2, what=lambda: f"hints {want} (fired: {sorted(fired())})")
+    # preemption_off_skewed judges 5 minutes of finished requests: it stays on; wait for an evaluation that
+    # saw every request finish.
     wait_until(lambda: active(d)["preemption_off_skewed"]["evidence"]["num_requests"] == NUM_SHORT + NUM_LONG,
                30, interval=0.2, what="an evaluation after the last request")
-    now = active(d)
-    s7 = now["preemption_off_skewed"]["evidence"]
+    s7 = active(d)["preemption_off_skewed"]["evidence"]
     assert s7["output_p50"] == 4 and s7["output_p99"] == LONG and s7["ratio"] == LONG / 4
     assert s7["num_requests"] == NUM_SHORT + NUM_LONG and s7["mode"] == "off"
-    kv = now["kv_quota_small"]["evidence"]
+    kv = fired()["kv_quota_small"]["evidence"]
     assert kv["kv_blocks_total"] == 80 and kv["waiting_mean"] >= 4 and kv["full_steps_share"] >= 0.5
     assert kv["kv_blocks_wanted"] > 80 and kv["scale"] > 1
-    st = now["starvation"]["evidence"]
+    st = fired()["starvation"]["evidence"]
     assert st["num_preemptions"] >= 3 and st["request_id"].startswith("cmpl-") and st["victim_policy"] == "progress"
-    for h in now.values():
-        assert h["model"] == "tiny" and h["active"] and h["symptom"] and h["cause"] and h["action"]
-    hints = [e for e in hints if e["type"] == "hint"]
-    on = {e["name"] for e in hints if e["active"]}
-    assert want <= on  # the event stream announced each activation, with its evidence
-    assert all(e["evidence"] for e in hints)
+    for h in fired().values():
+        assert h["model"] == "tiny" and h["symptom"] and h["cause"] and h["action"] and h["evidence"]
 
 
 def test_status_and_metrics_say_which_rules_have_no_data_here(run):
@@ -118,25 +121,25 @@ def test_status_and_metrics_say_which_rules_have_no_data_here(run):
     for name in ("kv_quota_small", "preemption_off_skewed", "cache_hit_rate_low", "load_after_evict",
                  "prefix_caching_off_repeats"):
         assert rules[name]["fed"], name  # the weight cache reports hits and misses
-    wait_until(lambda: "kv_quota_small" in active(d), 30, what="kv hint")
+    wait_until(lambda: "preemption_off_skewed" in active(d), 30, what="the skew hint")
     with d.http() as c:
         text = c.get("/metrics").text
-    assert 'gpuserv_hint_active{name="kv_quota_small"} 1.0' in text
+    assert 'gpuserv_hint_active{name="preemption_off_skewed"} 1.0' in text
     assert 'gpuserv_hint_active{name="device_errors"} 0.0' in text
     assert 'gpuserv_hint_fed{name="bandwidth_bound"} 0.0' in text
 
 
 def test_doctor_lists_the_live_hints(run, capsys):
     d = run[0]
-    wait_until(lambda: "kv_quota_small" in active(d), 30, what="kv hint")
+    wait_until(lambda: "preemption_off_skewed" in active(d), 30, what="the skew hint")  # on for 5 minutes
     code = invoke("doctor", "--json", "--socket", str(d.socket))
     report = json.loads(capsys.readouterr().out)
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["daemon"]["status"] == "ok" and checks["socket"]["status"] == "ok"
-    assert checks["hint:kv_quota_small"]["status"] == "warn"
-    assert checks["hint:kv_quota_small"]["detail"]["kv_blocks_total"] == 80
+    assert checks["hint:preemption_off_skewed"]["status"] == "warn"
+    assert checks["hint:preemption_off_skewed"]["detail"]["ratio"] == LONG / 4
     assert "bandwidth_bound" in checks["hint_rules"]["detail"]["unfed"]
-    assert {h["name"] for h in report["hints"]} >= {"kv_quota_small"}
+    assert {h["name"] for h in report["hints"]} >= {"preemption_off_skewed"}
     assert code == report["exit_code"] == 1  # warnings (no GPU here, active hints), nothing critical
 
 
