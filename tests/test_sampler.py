@@ -185,3 +185,39 @@ def test_vocabulary_checks_name_the_field():
     with pytest.raises(FieldError, match=r"logit_bias.*\[0, 64\)"):
         SamplingParams(logit_bias={64: 1.0}).check_vocab(V)
     SamplingParams(logit_bias={63: 1.0}).check_vocab(V)
+
+
+def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
+    # A vocabulary that is not a multiple of the chunk, and a mask that leaves some chunks empty.
+    vocab = 1000
+    x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(7)) * 2
+    words = (vocab + 31) // 32
+    bitmask = torch.full((3, words), -1, dtype=torch.int32)
+    bitmask[1, :20] = 0  # row 1: no token below 640
+    rows = [req(temperature=0.8, seed=s, out=[1] * s) for s in range(3)]
+    for trial in range(60):
+        for r in rows:
+            r.sample_seed = 1000 + trial
+        got = sample(x, rows, bitmask=bitmask, masked=[False, True, False]).token_ids
+        for i, r in enumerate(rows):
+            row = x[i].clone()
+            if i == 1:
+                row[:640] = float("-inf")
+            p = torch.softmax(row.double() / 0.8, -1)
+            cdf = torch.cumsum(p, -1)
+            u = uniform(torch.tensor([r.sample_seed]), torch.tensor([len(r.output_token_ids)]))
+            assert got[i] == int(torch.searchsorted(cdf, u * cdf[-1], right=True)), (trial, i)
+        assert got[1] >= 640
+
+
+def test_logprobs_only_for_the_rows_that_ask_and_the_draw_does_not_depend_on_them():
+    x = logits(3, seed=8)
+    asks = [req(temperature=0.9, seed=4, logprobs=2), req(temperature=0.9, seed=5), req(temperature=0.9, seed=6)]
+    silent = [req(temperature=0.9, seed=4), req(temperature=0.9, seed=5), req(temperature=0.9, seed=6, logprobs=0)]
+    a, b = sample(x, asks), sample(x, silent)
+    assert a.token_ids == b.token_ids
+    assert a.logprobs[1] is None and a.logprobs[2] is None and b.logprobs[0] is None
+    want = torch.log_softmax(x[0] / 0.9, -1)
+    assert a.logprobs[0].logprob == pytest.approx(float(want[a.token_ids[0]]), abs=1e-5)
+    assert [t for t, _ in a.logprobs[0].top] == torch.topk(want, 2).indices.tolist()
+    assert b.logprobs[2].top == [] and b.logprobs[2].token_id == b.token_ids[2]

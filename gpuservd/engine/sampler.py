@@ -19,7 +19,17 @@ Logprobs are the log-softmax of the logits after all six: the distribution the
 token was actually drawn from, truncation and temperature included (vLLM's
 `processed_logprobs`; vLLM's default instead returns the raw model's). Greedy
 rows report the same processed logits at temperature 1, since a temperature of
-0 has no distribution. Tokens outside the truncation have logprob -inf.
+0 has no distribution. Tokens outside the truncation have logprob -inf. They
+are computed only for the rows that ask: a draw needs no normalized
+distribution, only exp(x - max) and its running sum.
+
+What a step costs here matters at batch 32 over a 49k vocabulary (6 MB of
+logits a pass), so the rows are processed in place in one copy, in a handful
+of passes. The allowed-token bitmask is unpacked with numpy's `unpackbits` (a
+byte a token, no int32 expansion) and applied in place to the constrained rows
+only. The inverse CDF is taken in two levels: sums over chunks of CDF_CHUNK
+tokens locate the chunk, and only that chunk is summed token by token in
+float64, so no [R, V] cumulative sum or float64 copy is made.
 
 Random draws are counter-based, not stateful generators: row r draws one
 uniform number u = hash(seed_r, step_r), step_r = the tokens it has generated,
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpuservd.engine.request import Request
@@ -48,6 +59,8 @@ _MIX = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
 # Rows without top_k look for their top_p nucleus among this many most likely tokens first (a top-k
 # instead of a full sort of the vocabulary); a row whose nucleus is larger is sorted in full.
 NUCLEUS_CANDIDATES = 1024
+# The inverse CDF's first level sums the probabilities over chunks of this many tokens (192 for a 49k vocabulary).
+CDF_CHUNK = 256
 
 
 @dataclass
@@ -94,15 +107,38 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return (bits.to(torch.float64) + 0.5) / float(1 << 53)
 
 
-def _bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bitmask int32 [R, W] (bit j of word w allows token 32 w + j) -> allowed bool [R, vocab]."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
-    if bits.shape[1] >= vocab:
-        return bits[:, :vocab]
-    pad = torch.zeros(bits.shape[0], vocab - bits.shape[1], dtype=torch.bool, device=bits.device)
-    return torch.cat([bits, pad], dim=1)  # ids past the grammar's vocabulary are never allowed
+def _forbidden(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """bitmask int32 [R, W] (bit j of word w allows token 32 w + j) -> forbidden bool [R, vocab] on device;
+    ids past the grammar's vocabulary are never allowed."""
+    if bitmask.device.type == "cpu" and device.type == "cpu":
+        # numpy unpacks bits straight to bytes; an int32 word's bits j are in its little-endian bytes j // 8.
+        words = bitmask.contiguous().numpy().astype("<i4", copy=False)
+        bits = np.unpackbits(np.invert(words.view(np.uint8)), axis=1, bitorder="little")
+        forbidden = torch.from_numpy(bits).view(torch.bool)
+    else:
+        shifts = torch.arange(32, device=device, dtype=torch.int32)
+        forbidden = ((bitmask.to(device).unsqueeze(-1) >> shifts) & 1).eq(0).reshape(bitmask.shape[0], -1)
+    if forbidden.shape[1] >= vocab:
+        return forbidden[:, :vocab]
+    pad = torch.ones(forbidden.shape[0], vocab - forbidden.shape[1], dtype=torch.bool, device=forbidden.device)
+    return torch.cat([forbidden, pad], dim=1)
 
+
+def _apply_mask(x: torch.Tensor, bitmask: torch.Tensor, masked: list[bool]) -> None:
+    """-inf in place on every token a constrained row's bitmask forbids (x: [R, V]); other rows untouched."""
+    idx = [i for i, m in enumerate(masked) if m]
+    if not idx:
+        return
+    if len(idx) == len(masked):
+        x.masked_fill_(_forbidden(bitmask, x.shape[1], x.device), float("-inf"))
+        return
+    forbidden = _forbidden(bitmask[torch.tensor(idx, device=bitmask.device)], x.shape[1], x.device)
+    if x.device.type == "cpu":
+        for k, i in enumerate(idx):  # a view per row: no gather and scatter of whole rows
+            x[i].masked_fill_(forbidden[k], float("-inf"))
+    else:
+        rows = torch.tensor(idx, device=x.device)
+        x[rows] = x[rows].masked_fill(forbidden, float("-inf"))
 
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     """Token id lists -> int64 [R, max len] padded with `pad` (at least one column)."""
@@ -192,56 +228,81 @@ def _truncate(x: torch.Tensor, params: list) -> torch.Tensor:
     return out.scatter_(1, ids, vals.masked_fill(~keep, neg))
 
 
-def _choose(logprobs: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Greedy rows: argmax; the others: inverse CDF at their counter-based uniform. All [R]."""
-    best = torch.argmax(logprobs, dim=-1)
+def _draw(e: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The token where the running sum of e [R, V] (unnormalized probabilities) passes target [R] (float64,
+    in [0, sum)): chunk sums locate the chunk, then that chunk alone is summed token by token."""
+    R, V = e.shape
+    C = CDF_CHUNK
+    n = -(-V // C)
+    padded = e if V == n * C else torch.nn.functional.pad(e, (0, n * C - V))
+    chunks = padded.view(R, n, C)
+    ccdf = torch.cumsum(chunks.sum(-1).double(), dim=-1)  # [R, n]
+    ci = torch.searchsorted(ccdf, target.unsqueeze(1), right=True).squeeze(1).clamp(max=n - 1)
+    before = ccdf.gather(1, (ci - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    before = torch.where(ci > 0, before, torch.zeros_like(before))
+    inner = torch.cumsum(chunks[torch.arange(R, device=e.device), ci].double(), dim=-1)  # [R, C]
+    j = torch.searchsorted(inner, (target - before).unsqueeze(1), right=True).squeeze(1).clamp(max=C - 1)
+    return ci * C + j
+
+
+def _choose(x: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen [R], row max [R, 1], row sum of exp(x - max) [R]) for the processed logits x [R, V]: greedy rows
+    take the argmax; the others the inverse CDF at their counter-based uniform."""
+    m = x.amax(dim=-1, keepdim=True)
+    e = torch.exp(x - m)  # [R, V] unnormalized probabilities; x stays for the logprobs
+    total = e.sum(dim=-1)
+    best = _argmax(x) if any(greedy) else None
     if all(greedy):
-        return best
-    greedy = torch.tensor(greedy, device=logprobs.device)
-    probs = torch.exp(logprobs.double())
-    cdf = torch.cumsum(probs, dim=-1)
-    target = uniform(seeds, steps) * cdf[:, -1]
-    drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp(max=logprobs.shape[1] - 1)
-    # Rounding at the very top of the CDF could land on a token of probability 0: take the best then.
-    ok = probs.gather(1, drawn.unsqueeze(1)).squeeze(1) > 0
-    return torch.where(greedy | ~ok, best, drawn)
+        return best, m, total
+    drawn = _draw(e, uniform(seeds, steps) * total.double())
+    # Rounding at the very top of the CDF could land on a token of probability 0 (or in the padding):
+    # take the best then.
+    V = x.shape[1]
+    ok = (drawn < V) & (e.gather(1, drawn.clamp(max=V - 1).unsqueeze(1)).squeeze(1) > 0)
+    if best is None and not bool(ok.all()):
+        best = _argmax(x)
+    if best is None:
+        return drawn, m, total
+    keep = torch.tensor(greedy, device=x.device) | ~ok
+    return torch.where(keep, best, drawn), m, total
 
 
-def _process(logits: torch.Tensor, reqs: list[Request], eos_ids, bitmask: torch.Tensor | None,
-             masked: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The processed logprobs [R, V] and the chosen tokens [R] of the non-plain rows."""
-    dev = logits.device
-    x = logits.clone()
+def _process(x: torch.Tensor, reqs: list[Request], eos_ids, bitmask: torch.Tensor | None,
+             masked: list[bool]) -> torch.Tensor:
+    """The processed logits of the non-plain rows, computed in place in x [R, V] (a copy of their logits)."""
     _apply_bias_and_min_tokens(x, reqs, eos_ids, masked)
-    if bitmask is not None and any(masked):
-        rows = torch.tensor([i for i, m in enumerate(masked) if m], device=dev)
-        allowed = _bitmask_to_bool(bitmask[rows.to(bitmask.device)].to(dev), x.shape[1])
-        x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+    if bitmask is not None:
+        _apply_mask(x, bitmask, masked)
     x = _apply_penalties(x, reqs)
     params = [r.params for r in reqs]
-    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=x.dtype, device=dev)
-    x = x / temps.unsqueeze(1)
-    x = _truncate(x, params)
-    logprobs = torch.log_softmax(x, dim=-1)
-    greedy = [p.greedy for p in params]
-    seeds = torch.tensor([r.sample_seed & 0x7FFFFFFFFFFFFFFF for r in reqs], dtype=torch.long, device=dev)
-    steps = torch.tensor([len(r.output_token_ids) for r in reqs], dtype=torch.long, device=dev)
-    return logprobs, _choose(logprobs, greedy, seeds, steps)
+    if any(p.temperature and p.temperature != 1.0 for p in params):
+        temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=x.dtype, device=x.device)
+        x.div_(temps.unsqueeze(1))
+    return _truncate(x, params)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, reqs: list[Request]) -> list[TokenLogprobs | None]:
-    want = [r.params.logprobs for r in reqs]
-    if all(w is None for w in want):
-        return [None] * len(reqs)
-    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    n = max(w or 0 for w in want)
-    ids = chosen.tolist()
-    top_vals, top_ids = [[]] * len(reqs), [[]] * len(reqs)
-    if n:
-        vals, tops = torch.topk(logprobs, n, dim=-1)
+def _gather_logprobs(x: torch.Tensor, m: torch.Tensor, total: torch.Tensor, chosen: torch.Tensor,
+                     reqs: list[Request]) -> list[TokenLogprobs | None]:
+    """Logprobs for the rows that asked, and only those: log_softmax(x) = x - max - log(sum exp(x - max))."""
+    idx = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(reqs)
+    if not idx:
+        return out
+    rows = torch.tensor(idx, device=x.device)
+    logprobs = x[rows] - m[rows] - torch.log(total[rows]).unsqueeze(1)  # [L, V]
+    ids = chosen[rows]
+    picked = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    want = [reqs[i].params.logprobs for i in idx]
+    top_vals: list = [[]] * len(idx)
+    top_ids: list = [[]] * len(idx)
+    if max(want):
+        vals, tops = torch.topk(logprobs, max(want), dim=-1)
         top_vals, top_ids = vals.tolist(), tops.tolist()
-    return [None if w is None else TokenLogprobs(ids[i], picked[i], list(zip(top_ids[i][:w], top_vals[i][:w])))
-            for i, w in enumerate(want)]
+    ids_list = ids.tolist()
+    for k, (i, w) in enumerate(zip(idx, want)):
+        out[i] = TokenLogprobs(ids_list[k], picked[k], list(zip(top_ids[k][:w], top_vals[k][:w])))
+    return out
 
 
 def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=frozenset(),
@@ -259,17 +320,25 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=frozense
     best = greedy_ids
     if all(plain):
         return SamplerOutput((best if best is not None else _argmax(logits)).tolist(), [None] * len(requests))
+    chosen = None
     if any(plain):
         chosen = best.clone() if best is not None else _argmax(logits)
-    else:
-        chosen = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
     idx = [i for i, p in enumerate(plain) if not p]
     rows = torch.tensor(idx, device=logits.device)
     sub = [requests[i] for i in idx]
-    sub_mask = None if bitmask is None else bitmask[rows.to(bitmask.device)]
-    logprobs, picked = _process(logits[rows], sub, eos_token_ids, sub_mask, [masked[i] for i in idx])
-    chosen = chosen.index_copy(0, rows, picked.to(chosen.dtype))
+    # Processed in place in a copy: the caller may sample the same logits again (engine/row_failures.py).
+    whole = len(idx) == len(requests)
+    x = logits.clone() if whole else logits[rows]
+    sub_masked = [masked[i] for i in idx]
+    sub_mask = None
+    if bitmask is not None and any(sub_masked):
+        sub_mask = bitmask if whole else bitmask[rows.to(bitmask.device)]
+    x = _process(x, sub, eos_token_ids, sub_mask, sub_masked)
+    seeds = torch.tensor([r.sample_seed & 0x7FFFFFFFFFFFFFFF for r in sub], dtype=torch.long, device=x.device)
+    steps = torch.tensor([len(r.output_token_ids) for r in sub], dtype=torch.long, device=x.device)
+    picked, m, total = _choose(x, [r.params.greedy for r in sub], seeds, steps)
+    chosen = picked if chosen is None else chosen.index_copy(0, rows, picked.to(chosen.dtype))
     out_lp: list[TokenLogprobs | None] = [None] * len(requests)
-    for i, lp in zip(idx, _gather_logprobs(logprobs, picked, sub)):
+    for i, lp in zip(idx, _gather_logprobs(x, m, total, picked, sub)):
         out_lp[i] = lp
     return SamplerOutput(chosen.tolist(), out_lp)
