@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
 
 from gpuservd.config import EngineConfig
 from gpuservd.engine.engine import LLMEngine
-from gpuservd.engine.grammar import to_grammar
+from gpuservd.engine.grammar import Grammars, to_grammar
 from gpuservd.engine.request import GuidedSpec, SamplingParams
 from gpuservd.errors import FieldError
 from schemas import SCHEMAS
@@ -102,3 +103,88 @@ def test_bad_grammars_name_their_field(eng, spec, field, message):
     with pytest.raises(FieldError):
         eng.add_request("bad", [5, 6], SamplingParams(max_tokens=5, guided=spec))
     assert eng.grammars.num_live == 0 and not eng.requests and eng.pool.num_used == 0
+
+
+def fresh_engine(tiny_model_dir) -> LLMEngine:
+    return LLMEngine("tiny", tiny_model_dir, EngineConfig(model="tiny", kv_cache_bytes=4 << 20, block_size=4,
+                                                          num_threads=1))
+
+
+def test_the_grammar_tokenizer_is_built_off_the_engine_thread_while_the_batch_runs(tiny_model_dir, monkeypatch):
+    eng = fresh_engine(tiny_model_dir)
+    gate, threads = threading.Event(), []
+    real_build = Grammars._build
+
+    def gated_build(self):
+        threads.append(threading.current_thread().name)
+        gate.wait()
+        return real_build(self)
+
+    monkeypatch.setattr(Grammars, "_build", gated_build)
+    eng.add_request("plain", [30, 31, 32], SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False))
+    eng.step()
+    eng.add_request("json", eng.tokenizer.encode("x"), json_params(SCHEMAS[3]))
+    with pytest.raises(FieldError, match="regex"):  # a bad grammar is still refused at once
+        eng.add_request("bad", [1], SamplingParams(guided=GuidedSpec("regex", "(unclosed", "guided_regex")))
+    plain_tokens = 0
+    for _ in range(6):  # the batch goes on while the tokenizer is being built
+        plain_tokens += sum(len(o.new_token_ids) for o in eng.step() if o.request_id == "plain")
+        assert "json" in eng.grammars.pending and eng.grammars.num_live == 0
+    assert plain_tokens == 6 and threads == ["grammar-tokenizer"]
+    gate.set()
+    text = ""
+    while eng.has_unfinished():
+        text += "".join(o.new_text for o in eng.step() if o.request_id == "json")
+    jsonschema.validate(json.loads(text), SCHEMAS[3])
+    assert eng.grammars.num_live == 0 and not eng.grammars.pending and eng.pool.num_used == 0
+
+
+def test_a_request_cancelled_while_waiting_for_the_tokenizer_leaves_nothing(tiny_model_dir, monkeypatch):
+    eng = fresh_engine(tiny_model_dir)
+    gate = threading.Event()
+    real_build = Grammars._build
+    monkeypatch.setattr(Grammars, "_build", lambda self: gate.wait() and real_build(self))
+    eng.add_request("json", eng.tokenizer.encode("x"), json_params(SCHEMAS[0]))
+    assert eng.has_unfinished()
+    assert eng.abort("json").finish_reason.value == "abort"
+    gate.set()
+    assert not eng.has_unfinished() and not eng.grammars.pending and not eng.requests
+    assert eng.pool.num_used == 0 and eng.grammars.num_live == 0
+
+
+def test_masks_computed_beside_the_forward_give_the_same_tokens(eng, monkeypatch):
+    # CUDA engines compute the masks on a worker while the forward runs; forced on here.
+    names = []
+    real_fill = Grammars.fill
+
+    def fill(self, requests):
+        if any(r.grammar is not None for r in requests):
+            names.append(threading.current_thread().name)
+        return real_fill(self, requests)
+
+    monkeypatch.setattr(Grammars, "fill", fill)
+
+    def batch():
+        for k in range(3):
+            eng.add_request(f"ov{k}", eng.tokenizer.encode(f"item {k}"),
+                            json_params(SCHEMAS[k], temperature=1.0, seed=k, max_tokens=60))
+        eng.add_request("ovp", [30, 31], SamplingParams(max_tokens=20, temperature=1.0, seed=9, detokenize=False))
+        got = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return got
+
+    eng.grammars.overlap = False
+    names.clear()
+    inline = batch()
+    assert names and set(names) == {threading.current_thread().name}
+    eng.grammars.overlap = True
+    names.clear()
+    try:
+        beside = batch()
+    finally:
+        eng.grammars.overlap = False
+    assert beside == inline
+    assert names and all(n.startswith("grammar-mask") for n in names)
+    assert eng.grammars.num_live == 0 and eng.pool.num_used == 0

@@ -34,6 +34,10 @@ from gpuservd.runner.model_runner import ModelRunner
 from gpuservd.store.store import ModelStore
 
 
+# How long an otherwise idle step waits for llguidance's tokenizer when only constrained requests wait on it.
+GRAMMAR_WAIT_S = 0.05
+
+
 class LLMEngine:
     """Continuous-batching engine for one model."""
 
@@ -69,9 +73,10 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.grammars = Grammars(tokenizer, self.runner.arch.vocab_size, self.eos_token_ids)
-        self.pool = self.runner.cache.pool
         cache = self.runner.cache
+        self.grammars = Grammars(tokenizer, self.runner.arch.vocab_size, self.eos_token_ids,
+                                 overlap=cache.kv.is_cuda)
+        self.pool = cache.pool
         self.host_pool = HostKVPool(cache.shape, config.preemption.swap_space_bytes, pin=cache.kv.is_cuda)
         self.swapper = Swapper(cache, self.host_pool)
         layout = KVLayout(cache.shape.num_layers, cache.shape.bytes_per_block)
@@ -167,11 +172,27 @@ class LLMEngine:
             req.arrival_time = arrival_time
         if params.detokenize:
             detokenizer.start(req)
-        if params.guided is not None:
-            self.grammars.start(req)  # a grammar that does not compile: FieldError, nothing held yet
+        # A grammar that does not compile: FieldError, nothing held yet. One that waits for llguidance's
+        # tokenizer (the first constrained request) joins the scheduler when it is built (_admit_grammars).
+        waits = params.guided is not None and not self.grammars.start(req)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if not waits:
+            self.scheduler.add(req)
         return req
+
+    def _admit_grammars(self) -> list[RequestOutput]:
+        """Hand the scheduler the constrained requests whose matchers are ready; a request whose grammar
+        failed to attach ends as a failed row (its caller gets the error). When they are all the work
+        there is, wait briefly for the tokenizer instead of spinning through empty steps."""
+        idle = not self.scheduler.has_unfinished() and not self._carried
+        ready, failed = self.grammars.take_ready(wait_s=GRAMMAR_WAIT_S if idle else 0.0)
+        for req in ready:
+            self.scheduler.add(req)
+        outputs = []
+        for req, exc in failed:
+            self.rows.fail(req.request_id, exc)
+            outputs.append(self.abort(req.request_id))
+        return [o for o in outputs if o is not None]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its KV blocks are free when this returns. Returns its final output
@@ -207,7 +228,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._carried)
+        return self.scheduler.has_unfinished() or bool(self._carried) or bool(self.grammars.pending)
 
     def preemption_status(self) -> dict:
         """The preemption settings in force and the state of the host pool (for /admin/status)."""
@@ -251,6 +272,8 @@ class LLMEngine:
         stop between layers when `interrupt(priority)` says a more urgent request waits; the next step serves it
         without the suspended batch, and the one after finishes the suspended forward where it stopped."""
         carried, self._carried = self._carried, []
+        if self.grammars.pending:
+            carried += self._admit_grammars()
         if self._suspended is not None and self._suspended.served:
             return carried + self._finish_suspended()
         t0 = time.perf_counter()
@@ -279,8 +302,12 @@ class LLMEngine:
                 )
                 for c in sched.chunks
             ]
+            masks = self.grammars.fill_async([c.request for c in sched.chunks if c.sample])
             t1 = time.perf_counter()
-            result = self.runner.execute(chunks, suspend=self._layer_hook(sched))
+            try:
+                result = self.runner.execute(chunks, suspend=self._layer_hook(sched))
+            finally:
+                filled = masks.result() if masks is not None else None  # no matcher may advance before
             forward_s = time.perf_counter() - t1
             if isinstance(result, LayerCheckpoint):
                 self._suspended = _Suspended(sched, result, [c.request for c in sched.chunks], forward_s)
@@ -289,7 +316,7 @@ class LLMEngine:
             else:
                 if sched.num_prefill_tokens >= 4 * sched.num_decode_tokens:
                     self.scheduler.cost.observe_prefill(sched.num_prefill_tokens, forward_s)
-                outputs = self._update(sched, result)
+                outputs = self._update(sched, result, filled)
         self.swapper.finish()  # CUDA: the copies' seconds (their own time on the streams)
         for m in sched.moves:
             self.scheduler.cost.observe_copy(m.bytes_moved, m.bytes_parked, m.seconds)
@@ -371,9 +398,11 @@ class LLMEngine:
             )
         )
 
-    def _update(self, sched: SchedulerOutput, result: torch.Tensor | DecodeResult) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: torch.Tensor | DecodeResult,
+                filled: tuple | None = None) -> list[RequestOutput]:
         """Sample from the forward's logits [S, V] (or a fixed-shape step's DecodeResult, whose greedy ids
-        the CUDA graph already took on the device) and hand out the tokens."""
+        the CUDA graph already took on the device) and hand out the tokens. filled: the grammar masks
+        computed beside the forward (None: compute them here)."""
         sampling = [c.request for c in sched.chunks if c.sample]
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
@@ -382,7 +411,7 @@ class LLMEngine:
             ids, stops = result.host()  # chosen on the device: one small copy
             sampled = SamplerOutput(ids, [None] * len(ids))
         elif sampling:
-            bitmask, masked = self.grammars.fill(sampling)
+            bitmask, masked = filled if filled is not None else self.grammars.fill(sampling)
             logits, greedy = (result.logits, result.greedy) if isinstance(result, DecodeResult) else (result, None)
             sampled = self.rows.sample(logits, sampling, self.eos_token_ids, bitmask, masked, greedy_ids=greedy)
         else:

@@ -54,6 +54,10 @@ class RowFailures:
         self._failed += failed
         return SamplerOutput(tokens, logprobs)
 
+    def fail(self, request_id: str, exc: Exception) -> None:
+        """Fail one request from outside the sampler (the caller aborts it); reported by take() as a row."""
+        self._failed.append((request_id, exc))
+
     def take(self) -> list[tuple[str, Exception]]:
         """(request id, exception) of every row that failed alone since the last call."""
         failed, self._failed = self._failed, []
