@@ -279,3 +279,80 @@ def test_cli_generate_json_schema_and_logprobs_through_the_daemon(daemon, tmp_pa
         assert r.exit_code == 0, r.output
         jsonschema.validate(json.loads(r.stdout.strip()), SCHEMAS[5])
         assert sum("top:" in line for line in r.stderr.splitlines()) >= 5
+
+
+LONG_N3 = {"model": "tiny", "messages": MSGS, "max_tokens": 500, "n": 3, "temperature": 1.0,
+           "guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 400}}
+
+
+def _all_freed(daemon):
+    from daemon_harness import wait_until
+
+    wait_until(lambda: daemon.status()["num_in_flight"] == 0, 10, what="every choice to end")
+    tiny = {m["name"]: m for m in daemon.status()["models"]}["tiny"]
+    assert tiny["kv_blocks_free"] == tiny["kv_blocks_total"]
+
+
+def _wait_choices(daemon, n):
+    from daemon_harness import wait_until
+
+    def running():
+        with daemon.http() as admin:
+            rows = admin.get("/admin/requests").json()["requests"]
+        return len(rows) == n and all(r["num_output_tokens"] > 0 for r in rows)
+
+    wait_until(running, 20, what=f"{n} choices generating")
+
+
+def test_cancelling_an_n_stream_by_its_id_cancels_every_choice(daemon):
+    with daemon.http() as h, h.stream("POST", "/v1/chat/completions", json={**LONG_N3, "stream": True},
+                                      headers={"X-Request-Id": "n3-stream"}) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "n3-stream"
+        lines = r.iter_lines()
+        next(lines)
+        _wait_choices(daemon, 3)
+        with daemon.http() as admin:
+            assert admin.post("/admin/requests/n3-stream/cancel").json()["cancelled"] is True
+        finishes = {}
+        for line in lines:
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:]).get("choices", []):
+                    if c.get("finish_reason"):
+                        finishes[c["index"]] = c["finish_reason"]
+    assert finishes == {0: "abort", 1: "abort", 2: "abort"}
+    _all_freed(daemon)
+    with daemon.http() as admin:  # nothing left to cancel under that id
+        assert admin.post("/admin/requests/n3-stream/cancel").status_code == 404
+
+
+def test_cancelling_an_n_request_by_its_id_cancels_every_choice(daemon):
+    import threading
+
+    got = {}
+
+    def run():
+        with daemon.http(timeout=120) as h:
+            got["r"] = h.post("/v1/chat/completions", json=LONG_N3, headers={"X-Request-Id": "n3-whole"})
+
+    t = threading.Thread(target=run)
+    t.start()
+    _wait_choices(daemon, 3)
+    with daemon.http() as admin:
+        assert admin.post("/admin/requests/n3-whole/cancel").json()["cancelled"] is True
+    t.join(60)
+    body = got["r"].json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["abort", "abort", "abort"]
+    _all_freed(daemon)
+
+
+def test_a_client_leaving_a_whole_n_request_frees_every_choice(daemon):
+    import socket
+
+    payload = json.dumps(LONG_N3).encode()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(daemon.socket))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    _wait_choices(daemon, 3)
+    s.close()
+    _all_freed(daemon)

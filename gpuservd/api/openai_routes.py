@@ -39,7 +39,8 @@ async def _start_all(serving: Serving, greq: GenerationRequest, ctx) -> list[Act
     for i in range(greq.num_choices):
         sub = replace(greq, seed=None if greq.seed is None else greq.seed + i,
                       logprobs=0 if rank else greq.logprobs)  # best_of ranks by the summed logprobs
-        subs.append((sub, ctx if i == 0 else replace(ctx, request_id=f"{ctx.request_id}-{i}")))
+        subs.append((sub, ctx if i == 0 else replace(ctx, request_id=f"{ctx.request_id}-{i}",
+                                                     group_id=ctx.request_id)))
     if len(subs) == 1:
         return [await serving.start(*subs[0])]
     started = await asyncio.gather(*(serving.start(g, c) for g, c in subs), return_exceptions=True)

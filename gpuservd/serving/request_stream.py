@@ -34,6 +34,9 @@ class RequestContext:
     pid: int | None  # peer pid
     via: str  # "unix" | "tcp"
     arrival: float = field(default_factory=time.monotonic)
+    # The id the client knows, on the extra choices of an n > 1 request (their own ids are `<group_id>-i`);
+    # cancelling that id cancels every choice. "" on a request's first (or only) choice.
+    group_id: str = ""
 
 
 class ModelSlot:

@@ -269,13 +269,14 @@ class Serving:
         self.bus.publish(RequestPrompt(model=slot.name, request_id=ctx.request_id, prompt=text))
 
     def cancel(self, request_id: str) -> bool:
-        active = self.active.get(request_id)
-        if active is None or active.done:
-            # done: its last output (perhaps from an earlier cancel) has been handed out and the
-            # stream is ending; the entry only lingers until the handler's cleanup runs.
-            return False
-        active.abort()
-        return True
+        """Abort a request, every choice of it when it has n > 1 (False: none of them is running)."""
+        choices = [a for rid, a in self.active.items() if rid == request_id or a.ctx.group_id == request_id]
+        # done: its last output (perhaps from an earlier cancel) has been handed out and the
+        # stream is ending; the entry only lingers until the handler's cleanup runs.
+        running = [a for a in choices if not a.done]
+        for a in running:
+            a.abort()
+        return bool(running)
 
     # ---- drain ------------------------------------------------------------------------------------
     async def _end_requests(self, slot: ModelSlot, timeout: float) -> tuple[int, int]:
