@@ -356,3 +356,27 @@ def test_a_client_leaving_a_whole_n_request_frees_every_choice(daemon):
     _wait_choices(daemon, 3)
     s.close()
     _all_freed(daemon)
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(client):
+    plain = client.completions.create(model="tiny", prompt="the capital of", max_tokens=4, temperature=0,
+                                      logprobs=2)
+    e = client.completions.create(model="tiny", prompt="the capital of", max_tokens=4, temperature=0, echo=True,
+                                  logprobs=2)
+    lp, out = e.choices[0].logprobs, plain.choices[0].logprobs
+    n = len(lp.tokens) - len(out.tokens)
+    assert n >= 3 and e.choices[0].text == "the capital of" + plain.choices[0].text
+    assert "".join(lp.tokens[:n]) == "the capital of"
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:n])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:n])
+    assert lp.tokens[n:] == out.tokens and lp.token_logprobs[n:] == pytest.approx(out.token_logprobs, abs=1e-4)
+    assert lp.text_offset[:n] == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    assert lp.text_offset[n:] == [o + len("the capital of") for o in out.text_offset]
+    s = list(client.completions.create(model="tiny", prompt="the capital of", max_tokens=4, temperature=0,
+                                       echo=True, logprobs=2, stream=True))
+    streamed = [c.choices[0].logprobs for c in s if c.choices and c.choices[0].logprobs]
+    assert sum((x.tokens for x in streamed), []) == lp.tokens
+    values = sum((x.token_logprobs for x in streamed), [])
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert sum((x.text_offset for x in streamed), []) == lp.text_offset

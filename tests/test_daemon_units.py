@@ -49,13 +49,21 @@ def test_chat_accepts_what_openai_clients_send():
     assert protocol.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}).max_tokens is None
 
 
+def test_echo_with_logprobs_asks_the_engine_for_the_prompt_logprobs():
+    both = protocol.parse_completion({"model": "m", "prompt": "x", "echo": True, "logprobs": 2})
+    assert both.sampling_kwargs()["prompt_logprobs"] == 2 and both.sampling_kwargs()["logprobs"] == 2
+    assert protocol.parse_completion({"model": "m", "prompt": "x", "logprobs": 2}).sampling_kwargs()[
+        "prompt_logprobs"] is None
+    assert protocol.parse_completion({"model": "m", "prompt": "x", "echo": True}).sampling_kwargs()[
+        "prompt_logprobs"] is None
+
+
 @pytest.mark.parametrize("body,param,message", [
     ({"model": "m", "prompt": ["a", "b"]}, "prompt", "one prompt per request"),
     ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "must be in [-2.0, 2.0]"),
     ({"model": "m", "prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "neutral value"),
     ({"model": "m", "prompt": "x", "suffix": "end"}, "suffix", "not supported"),
     ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs", "logprobs must be <= 5"),
-    ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
     ({"model": "m", "prompt": "x", "n": 17}, "n", "server.max_n"),
     ({"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of", "must be >= n"),
     ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),

@@ -27,6 +27,7 @@ class Choice:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []  # sampler.TokenLogprobs, one per token
+        self.prompt_logprobs: list | None = None  # echo with logprobs: one per prompt token (None first)
         self.sum_logprob = 0.0  # for best_of
         self.echo = self._echo_text() if greq.echo else ""
         self.offset = len(self.echo)  # text_offset of the next token (completions logprobs)
@@ -49,6 +50,9 @@ class Choice:
         text = "".join(o.new_text for o in outs)
         ids = [t for o in outs for t in o.new_token_ids]
         lps = [e for o in outs if o.logprobs for e in o.logprobs]
+        for o in outs:
+            if o.prompt_logprobs is not None:
+                self.prompt_logprobs = o.prompt_logprobs
         self.text.append(text)
         self.token_ids += ids
         self.logprobs += lps
@@ -62,6 +66,22 @@ class Choice:
             return responses.chat_logprobs(entries, self.token_text)
         out = responses.completion_logprobs(entries, self.token_text, self.offset)
         return out
+
+    def _with_prompt(self, out: dict | None) -> dict | None:
+        """Completions' logprobs with the echoed prompt's in front: as OpenAI's legacy completions give
+        them, the first prompt token's logprob and alternatives are null."""
+        if out is None or not self.prompt_logprobs:
+            return out
+        tokens, offsets, offset = [], [], 0
+        for tid in self.active.prompt_token_ids:
+            tokens.append(self.token_text(tid))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        rest = responses.completion_logprobs([e for e in self.prompt_logprobs[1:]], self.token_text)
+        return {"tokens": tokens + out["tokens"],
+                "token_logprobs": [None] + rest["token_logprobs"] + out["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"] + out["top_logprobs"],
+                "text_offset": offsets + out["text_offset"]}
 
     # ---- streaming ------------------------------------------------------------------------------
     def opening(self) -> bytes | None:
@@ -84,11 +104,12 @@ class Choice:
                 rest, calls = self.tool_stream.finish()
                 text += rest or ""
                 finish = "tool_calls" if calls else finish
-        if self.echo:
-            text, self.echo = self.echo + text, ""
         logprobs = self._render_logprobs(lps) if lps else None
         if logprobs is not None:
             self.offset += sum(len(t) for t in logprobs.get("tokens", []))
+        if self.echo:
+            text, self.echo = self.echo + text, ""
+            logprobs = self._with_prompt(logprobs)
         token_ids = ids if self.greq.return_token_ids else None
         if not (text or finish or token_ids or logprobs):
             return None
@@ -106,7 +127,8 @@ class Choice:
         logprobs = None
         if self.want_logprobs:
             logprobs = (responses.chat_logprobs(self.logprobs, self.token_text) if self.greq.kind == "chat"
-                        else responses.completion_logprobs(self.logprobs, self.token_text, len(self.echo)))
+                        else self._with_prompt(responses.completion_logprobs(self.logprobs, self.token_text,
+                                                                             len(self.echo))))
         out: dict = {"index": self.index if index is None else index}
         if self.greq.kind == "chat":
             content, calls = (tools.parse(text, self.greq.tools) if self.tool_stream is not None else (text, []))

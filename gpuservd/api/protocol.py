@@ -122,7 +122,8 @@ class GenerationRequest:
                     ignore_eos=self.ignore_eos, detokenize=self.detokenize,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
-                    min_tokens=self.min_tokens, logprobs=self.logprobs)
+                    min_tokens=self.min_tokens, logprobs=self.logprobs,
+                    prompt_logprobs=self.logprobs if self.echo else None)
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -333,10 +334,7 @@ def parse_completion(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     req.max_tokens = _int(body, "max_tokens", 1, 16)
     lp = body.get("logprobs")
     req.logprobs = None if lp is None or lp is False else _int(body, "logprobs", 0, None, hi=MAX_COMPLETION_LOGPROBS)
-    req.echo = _bool(body, "echo")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs would need the prompt's logprobs, which this server does not compute; "
-                          "drop one of them", "echo", "unsupported_value")
+    req.echo = _bool(body, "echo")  # with logprobs: the prompt's tokens get theirs too (the engine's prompt_logprobs)
     req.best_of = _int(body, "best_of", 1, None)
     if req.best_of is not None:
         if req.best_of > max_n:

@@ -13,7 +13,7 @@ import torch
 
 from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
-from gpuservd.engine import detokenizer
+from gpuservd.engine import detokenizer, prompt_logprobs
 from gpuservd.engine.grammar import Grammars
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
@@ -172,6 +172,8 @@ class LLMEngine:
             req.arrival_time = arrival_time
         if params.detokenize:
             detokenizer.start(req)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first token: nothing predicts it
         # A grammar that does not compile: FieldError, nothing held yet. One that waits for llguidance's
         # tokenizer (the first constrained request) joins the scheduler when it is built (_admit_grammars).
         waits = params.guided is not None and not self.grammars.start(req)
@@ -299,6 +301,7 @@ class LLMEngine:
                     self.scheduler.kv.table(c.request),
                     c.sample,
                     self._stop_ids(c.request) if c.num_tokens == 1 else (),
+                    all_logits=c.request.wants_prompt_logits,
                 )
                 for c in sched.chunks
             ]
@@ -404,6 +407,9 @@ class LLMEngine:
         the CUDA graph already took on the device) and hand out the tokens. filled: the grammar masks
         computed beside the forward (None: compute them here)."""
         sampling = [c.request for c in sched.chunks if c.sample]
+        if not isinstance(result, DecodeResult) and result.shape[0] > len(sampling):
+            prompt_logprobs.record(sched.chunks, result[len(sampling):])
+            result = result[:len(sampling)]
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
         stops: list[bool | None] = [None] * len(sampling)
@@ -472,6 +478,9 @@ class LLMEngine:
     def _output(self, req: Request, new_ids: list[int], lp: TokenLogprobs | None = None) -> RequestOutput:
         finished = req.state.is_finished
         text = detokenizer.take_new_text(req, finished) if req.params.detokenize else ""
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or finished):
+            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -485,6 +494,7 @@ class LLMEngine:
             finish_time=req.finish_time,
             logprobs=[lp] if lp is not None else None,
             scheduled_time=req.scheduled_time,
+            prompt_logprobs=prompt_lps,
         )
 
     # -- offline convenience ---------------------------------------------

@@ -94,6 +94,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     logprobs: int | None = None  # None = off; N = the sampled token's logprob and the N most likely
+    # None = off; N = each prompt token's logprob under the model (raw logits, from the prefill) and the N
+    # most likely at its position (vLLM's prompt_logprobs; completions' echo with logprobs)
+    prompt_logprobs: int | None = None
     guided: GuidedSpec | None = None  # a grammar the output must match (JSON schema, regex, choice, grammar)
 
     def validate(self) -> None:
@@ -123,6 +126,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise FieldError when a token id the request names is outside the model's vocabulary."""
@@ -190,6 +195,10 @@ class Request:
     # Sampling and detokenizer state (see engine/sampler.py, engine/detokenizer.py).
     sample_seed: int = 0  # the seed of its random draws: params.seed, or a random one at admission
     grammar: object | None = None  # its live grammar matcher (engine/grammar.py) while guided and unfinished
+    # params.prompt_logprobs: one entry per prompt position computed so far (sampler.TokenLogprobs; None for
+    # the first token, which nothing predicts); handed out with the request's first output.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
     text: str = ""  # output text so far (truncated at a stop string)
     emitted_len: int = 0  # characters of text already handed out
     detok_ids: list[int] = field(default_factory=list)  # decode window: prompt tail + outputs
@@ -233,6 +242,12 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt logprobs are still incomplete: its prefill needs the logits of every token, and it
+        may not skip positions through the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
 
 @dataclass
 class RequestOutput:
@@ -249,4 +264,6 @@ class RequestOutput:
     first_token_time: float | None  # monotonic, None until the first token
     finish_time: float | None  # monotonic, None until finished
     logprobs: list | None = None  # one sampler.TokenLogprobs per new token when params.logprobs is set
+    # params.prompt_logprobs: one per prompt token (None first), on the request's first output only
+    prompt_logprobs: list | None = None
     scheduled_time: float | None = None  # monotonic, None until it first entered the running batch

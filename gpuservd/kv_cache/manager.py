@@ -269,9 +269,12 @@ class KVCacheManager:
         """The cached leading blocks a request could share as it is admitted: a request holding no KV
         (its known tokens but the last), or one resuming with its oldest blocks dropped (all but the
         last dropped block: the rebuild then computes at least that one, and ends on its kept tail).
-        None when caching is off, the request holds other KV, or nothing is cached."""
+        None when caching is off, the request holds other KV, or nothing is cached; and for a request
+        still computing its prompt logprobs (a cached position has no logits to give them, so, as vLLM
+        does, such a request computes its whole prompt; its blocks are still cached for others)."""
         kv = self._kv.get(request.request_id)
-        if request.num_computed_tokens or (kv is not None and kv.swapped is not None):
+        if (request.num_computed_tokens or (kv is not None and kv.swapped is not None)
+                or getattr(request, "wants_prompt_logits", False)):
             return None
         if kv is not None and kv.num_dropped:
             return self.prefix.find(request, max_blocks=kv.num_dropped - 1)
@@ -282,7 +285,8 @@ class KVCacheManager:
     def num_lookup_tokens(self, request) -> int:
         """Tokens `find_cached_prefix` looks up for the request now (a query, as the stats count it)."""
         kv = self._kv.get(request.request_id)
-        if request.num_computed_tokens or (kv is not None and kv.swapped is not None):
+        if (request.num_computed_tokens or (kv is not None and kv.swapped is not None)
+                or getattr(request, "wants_prompt_logits", False)):
             return 0
         if kv is not None and kv.num_dropped:
             return kv.num_dropped * self.block_size

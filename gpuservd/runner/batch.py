@@ -40,6 +40,9 @@ class SeqChunk:
     # Token ids that end the sequence (its EOS ids unless ignored, its stop ids): the fixed-shape decode
     # step checks its chosen token against them on the device (decode_step.py).
     stop_ids: tuple[int, ...] = ()
+    # The logits of every token of the chunk are needed too (prompt logprobs): returned after the
+    # sampled rows (see build_batch's logits_indices).
+    all_logits: bool = False
 
 
 @dataclass
@@ -75,7 +78,9 @@ class ForwardBatch:
     decode_block_table: torch.Tensor  # [num_decode, max blocks] int32, rows padded with block 0 (C++ kernel)
     decode_ctx_lens: torch.Tensor  # [num_decode] int32 context length of each decode sequence (C++ kernel)
     prefills: list[PrefillMeta]  # one per multi-token chunk
-    logits_indices: torch.Tensor  # [S] token rows whose logits are returned, in input chunk order
+    # [S + P] token rows whose logits are returned: the S chunks with sample=True (their last token), in
+    # input chunk order, then the P other rows of the chunks with all_logits, in chunk and token order.
+    logits_indices: torch.Tensor
     # CPU only: the first num_kernel_rows token rows (the decode rows, then the prefill chunks marked
     # `kernel`) attend in one paged-kernel call, each row with its own causal context length.
     num_kernel_rows: int = 0
@@ -126,6 +131,16 @@ def _decode_groups(dec_ctx: list[int], dec_tables: list[list[int]], device: torc
             )
         )
     return groups
+
+
+def _all_logit_rows(chunks: list[SeqChunk], last_row: list[int]) -> list[int]:
+    """The rows of the all_logits chunks that are not already sampled rows (chunk i's rows end at last_row[i])."""
+    rows: list[int] = []
+    for i, c in enumerate(chunks):
+        if c.all_logits:
+            end = last_row[i] + (0 if c.sample else 1)
+            rows.extend(range(last_row[i] + 1 - len(c.token_ids), end))
+    return rows
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
@@ -186,8 +201,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         decode_ctx_lens=decode_ctx_lens,
         prefills=prefills,
         logits_indices=torch.tensor(
-            [last_row[i] for i in range(len(chunks)) if chunks[i].sample], dtype=torch.long, device=device
-        ),
+            [last_row[i] for i in range(len(chunks)) if chunks[i].sample] + _all_logit_rows(chunks, last_row),
+            dtype=torch.long, device=device),
         num_kernel_rows=0 if kernel is None else int(kernel[1].shape[0]),
         kernel_block_table=None if kernel is None else kernel[0],
         kernel_ctx_lens=None if kernel is None else kernel[1],

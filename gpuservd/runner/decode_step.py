@@ -157,7 +157,7 @@ class DecodeStep:
     def takes(self, chunks: list[SeqChunk]) -> bool:
         """Whether this step runs the chunks: all one-token chunks that sample, within the largest bucket."""
         return (0 < len(chunks) <= self.batch_sizes[-1]
-                and all(len(c.token_ids) == 1 and c.sample for c in chunks))
+                and all(len(c.token_ids) == 1 and c.sample and not c.all_logits for c in chunks))
 
     def run(self, chunks: list[SeqChunk], between=None) -> "DecodeResult":
         """The step for n decode chunks: their logits [n, V] (fp32) and, chosen on the device, their

@@ -134,6 +134,7 @@ class ActiveRequest:
         self.greq = greq
         self.sink = RequestSink()
         self.num_prompt_tokens = 0
+        self.prompt_token_ids: list[int] = []  # as the engine got them (echo with logprobs names each)
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None

@@ -188,6 +188,7 @@ class Serving:
         try:
             ids = await self._prompt_ids(slot, greq)
             active.num_prompt_tokens = len(ids)
+            active.prompt_token_ids = ids
             # `gpuserv record --with-prompts` is listening (an admin: /admin/events is admin-only)
             if self.config.server.log_prompts and self.bus.wants(RequestPrompt.type):
                 self._publish_prompt(slot, greq, ctx, ids)
