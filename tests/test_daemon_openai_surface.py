@@ -180,7 +180,7 @@ def test_tool_calls_round_trip_two_turns(client):
 
 
 def test_tool_calls_stream_as_deltas(client):
-    chunks = chat(client, stream=True, max_tokens=80, tools=TOOLS, tool_choice="required")
+    chunks = chat(client, stream=True, max_tokens=80, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     deltas = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
     assert len(deltas) == 1 and deltas[0].function.name in ("get_weather", "add")
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -380,3 +380,20 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(client):
     values = sum((x.token_logprobs for x in streamed), [])
     assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
     assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+
+
+def test_required_tool_choice_may_call_several_tools_unless_parallel_is_off(client):
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    r = chat(client, max_tokens=400, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and r.choices[0].message.content is None
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    assert len({c.id for c in calls}) == len(calls)
+    one = chat(client, max_tokens=400, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3,
+               parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="parallel_tool_calls must be a boolean"):
+        chat(client, tools=TOOLS, extra_body={"parallel_tool_calls": "yes"})

@@ -92,8 +92,29 @@ def test_constrained_schema_accepts_only_a_call_of_the_chosen_tools():
     jsonschema.validate({"name": "add", "arguments": {"a": 3}}, named)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_weather", "arguments": {"city": "x"}}, named)
-    either = structured.tool_call_schema(TOOLS, "required")
-    for call in ({"name": "add", "arguments": {"a": 3}}, {"name": "get_weather", "arguments": {"city": "x"}}):
+    either = structured.tool_call_schema(TOOLS, "required", parallel=False)
+    calls = [{"name": "add", "arguments": {"a": 3}}, {"name": "get_weather", "arguments": {"city": "x"}}]
+    for call in calls:
         jsonschema.validate(call, either)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_weather", "arguments": {}}, either)
+    # parallel_tool_calls (on by default): one or more calls, as a JSON array; a named tool stays one call.
+    several = structured.tool_call_schema(TOOLS, "required")
+    jsonschema.validate(calls, several)
+    jsonschema.validate(calls[:1], several)
+    for bad in ([], calls[0], [calls[0], {"name": "get_weather", "arguments": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, several)
+    assert structured.tool_call_schema(TOOLS, {"name": "add"}, parallel=True) == named
+
+
+def test_parse_an_array_of_calls_and_parallel_off_keeps_the_first():
+    text = json.dumps([{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"city": "R"}}])
+    content, calls = tools.parse(text, TOOLS)
+    assert content is None and [c["function"]["name"] for c in calls] == ["add", "get_weather"]
+    assert [c["function"]["name"] for c in tools.parse(text, TOOLS, parallel=False)[1]] == ["add"]
+    assert tools.parse('[{"name": "nope", "arguments": {}}]', TOOLS)[1] == []  # not all calls: text
+    assert tools.parse("[1, 2]", TOOLS) == ("[1, 2]", [])
+    stream = tools.ToolStream(TOOLS, constrained=False, parallel=False)
+    assert stream.feed(text[:10]) + stream.feed(text[10:]) == ""
+    assert [c["function"]["name"] for c in stream.finish()[1]] == ["add"]

@@ -33,7 +33,7 @@ class Choice:
         self.offset = len(self.echo)  # text_offset of the next token (completions logprobs)
         constrained = greq.tool_choice == "required" or isinstance(greq.tool_choice, dict)
         use_tools = greq.kind == "chat" and greq.tools and greq.tool_choice != "none"
-        self.tool_stream = tools.ToolStream(greq.tools, constrained) if use_tools else None
+        self.tool_stream = tools.ToolStream(greq.tools, constrained, greq.parallel_tool_calls) if use_tools else None
         self.encoder = responses.ChunkEncoder(greq.kind, active.ctx.request_id, greq.model, created,
                                               greq.return_token_ids, greq.include_usage, index)
 
@@ -131,7 +131,8 @@ class Choice:
                                                                              len(self.echo))))
         out: dict = {"index": self.index if index is None else index}
         if self.greq.kind == "chat":
-            content, calls = (tools.parse(text, self.greq.tools) if self.tool_stream is not None else (text, []))
+            content, calls = (tools.parse(text, self.greq.tools, self.greq.parallel_tool_calls)
+                              if self.tool_stream is not None else (text, []))
             message: dict = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls

@@ -83,6 +83,7 @@ class GenerationRequest:
     guided: dict | None = None  # {"kind", "value", "field"}: a grammar the output follows (structured.py)
     tools: list[dict] | None = None  # chat: [{"name", "description", "parameters"}]
     tool_choice: Any = "none"  # "none" | "auto" | "required" | {"name": ...}
+    parallel_tool_calls: bool = True  # OpenAI's: more than one call per reply (False: the first call only)
     chat_template_kwargs: dict = field(default_factory=dict)  # extra variables for the chat template
     keep_alive: float | None = None  # Ollama's: seconds its model stays loaded idle after it (-1 forever, 0 none)
 
@@ -132,7 +133,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
            "logprobs", "keep_alive"} | structured.GUIDED_FIELDS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                          "chat_template_kwargs"}
+                          "parallel_tool_calls", "chat_template_kwargs"}
 # Chat fields with another meaning in vLLM's chat API: accepted at the neutral value only.
 _CHAT_NEUTRAL = {"echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1)}
 
@@ -427,11 +428,15 @@ def parse_chat(body: Any, max_n: int = MAX_N) -> GenerationRequest:
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
     req.chat_template_kwargs = dict(kwargs or {})
     req.tools, req.tool_choice = structured.parse_tools(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls", "invalid_type")
+    req.parallel_tool_calls = parallel is not False
     if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
         if req.guided is not None:
             raise bad_request(f"tool_choice {json.dumps(req.tool_choice)} already constrains the output; drop "
                               f"{req.guided['field']}", "tool_choice")
-        from_tools = structured.tool_call_schema(req.tools, req.tool_choice)
+        from_tools = structured.tool_call_schema(req.tools, req.tool_choice, req.parallel_tool_calls)
         req.guided = {"kind": "json_schema", "value": json.dumps(from_tools), "field": "tool_choice"}
     _check_min_tokens(req)
     return req

@@ -152,10 +152,15 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, Any]:
     return tools, choice
 
 
-def tool_call_schema(tools: list[dict], choice: Any) -> dict:
-    """The JSON schema a constrained reply follows: one call {"name", "arguments"} of the named tool
-    (tool_choice {"name": ...}) or of any of the tools (tool_choice "required")."""
+def tool_call_schema(tools: list[dict], choice: Any, parallel: bool = True) -> dict:
+    """The JSON schema a constrained reply follows. A named tool (tool_choice {"name": ...}): exactly one
+    call {"name", "arguments"} of it, as OpenAI forces that function. tool_choice "required": calls of any
+    of the tools, as a JSON array of one or more when parallel_tool_calls is on (OpenAI's default; vLLM
+    builds the same array), else one call."""
     named = [t for t in tools if isinstance(choice, dict) and t["name"] == choice["name"]] or tools
     options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
                 "required": ["name", "arguments"], "additionalProperties": False} for t in named]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    one = options[0] if len(options) == 1 else {"anyOf": options}
+    if choice == "required" and parallel:
+        return {"type": "array", "items": one, "minItems": 1}
+    return one

@@ -4,8 +4,11 @@ A reply calls tools in one of two shapes: Hermes-style blocks
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what the fallback
 system prompt of engine/tokenizer.py asks for, and what Qwen- and Hermes-style
 templates produce), or, when tool_choice is `required` or names a function, the
-bare JSON object `{"name": ..., "arguments": {...}}` that the grammar forces.
-A name that is not one of the request's tools is left as text.
+bare JSON object `{"name": ..., "arguments": {...}}` that the grammar forces
+(an array of them for `required` with parallel calls). A name that is not one
+of the request's tools is left as text. With `parallel_tool_calls: false` only
+the first call is kept (vLLM does the same for the calls a model writes
+unconstrained).
 
 While streaming, text that may be the start of a tool call is held back
 (`ToolStream`): content before a `<tool_call>` streams as usual, and the calls
@@ -40,14 +43,23 @@ def _loads(text: str) -> Any:
         return None
 
 
-def parse(text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+def parse(text: str, tools: list[dict], parallel: bool = True) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a whole reply; content is None when the reply is only calls."""
-    names = {t["name"] for t in tools}
+    content, calls = _parse(text, {t["name"] for t in tools})
+    return content, calls if parallel else calls[:1]
+
+
+def _parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
     stripped = text.strip()
     if stripped.startswith("{"):
         call = _call(_loads(stripped), names)
         if call is not None:
             return None, [call]
+    if stripped.startswith("["):
+        items = _loads(stripped)
+        calls = [_call(o, names) for o in items] if isinstance(items, list) and items else [None]
+        if all(c is not None for c in calls):
+            return None, calls
     calls, spans = [], []
     for m in _BLOCK.finditer(text):
         call = _call(_loads(m.group(1)), names)
@@ -68,8 +80,9 @@ def parse(text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
 class ToolStream:
     """Splits a streamed reply into content deltas and, at the end, tool calls."""
 
-    def __init__(self, tools: list[dict], constrained: bool):
+    def __init__(self, tools: list[dict], constrained: bool, parallel: bool = True):
         self.tools = tools
+        self.parallel = parallel
         self.constrained = constrained  # the grammar makes the whole reply one call: hold all of it
         self.held = ""  # text that is, or may turn out to be, a tool call
         self.started = False  # the reply's first non-space character has been seen
@@ -85,7 +98,7 @@ class ToolStream:
             if not head:
                 return ""
             self.started = True
-            if head.startswith("{"):  # maybe a bare JSON call: known only when it closes
+            if head[0] in "{[":  # maybe bare JSON calls: known only when they close
                 self.in_call = True
                 return ""
         at = self.held.find(_OPEN)
@@ -104,4 +117,4 @@ class ToolStream:
         """(content still held, tool calls) at the end of the reply."""
         if not self.held:
             return None, []
-        return parse(self.held, self.tools)
+        return parse(self.held, self.tools, self.parallel)
