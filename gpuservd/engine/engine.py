@@ -13,7 +13,7 @@ import torch
 
 from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
-from gpuservd.engine import detokenizer, prompt_logprobs
+from gpuservd.engine import detokenizer, offline, prompt_logprobs
 from gpuservd.engine.grammar import Grammars
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
@@ -32,10 +32,6 @@ from gpuservd.runner.decode_step import DecodeResult
 from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
 from gpuservd.store.store import ModelStore
-
-
-# How long an otherwise idle step waits for llguidance's tokenizer when only constrained requests wait on it.
-GRAMMAR_WAIT_S = 0.05
 
 
 class LLMEngine:
@@ -175,26 +171,12 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first token: nothing predicts it
         # A grammar that does not compile: FieldError, nothing held yet. One that waits for llguidance's
-        # tokenizer (the first constrained request) joins the scheduler when it is built (_admit_grammars).
+        # tokenizer (the first constrained request) joins the scheduler when it is built (Grammars.admit).
         waits = params.guided is not None and not self.grammars.start(req)
         self.requests[request_id] = req
         if not waits:
             self.scheduler.add(req)
         return req
-
-    def _admit_grammars(self) -> list[RequestOutput]:
-        """Hand the scheduler the constrained requests whose matchers are ready; a request whose grammar
-        failed to attach ends as a failed row (its caller gets the error). When they are all the work
-        there is, wait briefly for the tokenizer instead of spinning through empty steps."""
-        idle = not self.scheduler.has_unfinished() and not self._carried
-        ready, failed = self.grammars.take_ready(wait_s=GRAMMAR_WAIT_S if idle else 0.0)
-        for req in ready:
-            self.scheduler.add(req)
-        outputs = []
-        for req, exc in failed:
-            self.rows.fail(req.request_id, exc)
-            outputs.append(self.abort(req.request_id))
-        return [o for o in outputs if o is not None]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its KV blocks are free when this returns. Returns its final output
@@ -274,8 +256,11 @@ class LLMEngine:
         stop between layers when `interrupt(priority)` says a more urgent request waits; the next step serves it
         without the suspended batch, and the one after finishes the suspended forward where it stopped."""
         carried, self._carried = self._carried, []
-        if self.grammars.pending:
-            carried += self._admit_grammars()
+        if self.grammars.pending:  # a request whose grammar failed to attach ends as a failed row
+            idle = not self.scheduler.has_unfinished() and not carried
+            for req, exc in self.grammars.admit(self.scheduler, idle):
+                self.rows.fail(req.request_id, exc)
+                carried += [o for o in [self.abort(req.request_id)] if o is not None]
         if self._suspended is not None and self._suspended.served:
             return carried + self._finish_suspended()
         t0 = time.perf_counter()
@@ -478,9 +463,6 @@ class LLMEngine:
     def _output(self, req: Request, new_ids: list[int], lp: TokenLogprobs | None = None) -> RequestOutput:
         finished = req.state.is_finished
         text = detokenizer.take_new_text(req, finished) if req.params.detokenize else ""
-        prompt_lps = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (new_ids or finished):
-            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -494,34 +476,17 @@ class LLMEngine:
             finish_time=req.finish_time,
             logprobs=[lp] if lp is not None else None,
             scheduled_time=req.scheduled_time,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_logprobs.take(req, bool(new_ids) or finished),
         )
 
     # -- offline convenience ---------------------------------------------
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         """Run one request (alongside whatever else is queued) and yield its RequestOutputs."""
-        self.add_request(request_id, prompt_token_ids, params)
-        try:
-            while True:
-                for out in self.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
-        finally:
-            if request_id in self.requests:  # the caller stopped early (Ctrl-C): free its blocks
-                self.abort(request_id)
+        return offline.stream(self, request_id, prompt_token_ids, params)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion together; returns the output token ids per prompt."""
-        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        results: dict[str, list[int]] = {i: [] for i in ids}
-        for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, prompt, SamplingParams(**vars(params)))
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.request_id].extend(out.new_token_ids)
-        return [results[i] for i in ids]
+        return offline.generate(self, prompts, params)
 
 
 class _Suspended:

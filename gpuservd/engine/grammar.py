@@ -33,6 +33,9 @@ from gpuservd.engine.request import GuidedSpec, Request
 from gpuservd.errors import FieldError
 
 log = logging.getLogger(__name__)
+# How long an otherwise idle step waits for llguidance's tokenizer when only constrained requests wait on it
+# (instead of spinning through empty steps).
+IDLE_WAIT_S = 0.05
 
 
 def to_grammar(spec: GuidedSpec) -> str:
@@ -154,6 +157,14 @@ class Grammars:
             except Exception as exc:
                 failed.append((req, exc))
         return ready, failed
+
+    def admit(self, scheduler, idle: bool) -> list[tuple[Request, Exception]]:
+        """Hand the scheduler the pending requests whose matchers are ready (waiting up to IDLE_WAIT_S for
+        the tokenizer when the engine is idle); returns those that failed, for the engine to fail."""
+        ready, failed = self.take_ready(wait_s=IDLE_WAIT_S if idle else 0.0)
+        for req in ready:
+            scheduler.add(req)
+        return failed
 
     def fill(self, requests: list[Request]) -> tuple[torch.Tensor | None, list[bool]]:
         """The bitmask int32 [S, ceil(V/32)] of one step and which rows it constrains (None: no row)."""

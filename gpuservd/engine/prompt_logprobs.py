@@ -48,3 +48,11 @@ def record(chunks, logits: torch.Tensor) -> None:
             vals, ids = torch.topk(lp, k, dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         req.prompt_logprobs += [TokenLogprobs(t, p, top) for t, p, top in zip(targets, picked, tops)]
+
+
+def take(req, first: bool) -> list | None:
+    """The request's prompt logprobs for its first output (first: it carries a token or ends it), else None."""
+    if req.prompt_logprobs is None or req.prompt_logprobs_sent or not first:
+        return None
+    req.prompt_logprobs_sent = True
+    return req.prompt_logprobs
