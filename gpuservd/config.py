@@ -89,9 +89,11 @@ class SchedulerConfig:
     # shrinks by this much for every step since it arrived. A running request works off 1 token a step,
     # so at 1.0 waiting counts as if it were running: after (its work / aging) steps its claim is 0 and
     # only earlier arrivals (and higher priorities) still go first. Steps rather than seconds, so that the
-    # same workload is ordered the same way on a CPU and on a GPU whose steps are 20x shorter. Chosen on
-    # the mixed-short-long burst: the longest request finished within 1.05-1.11x of its time under
-    # fcfs at 8-48 running sequences, with the short class's P99 0.55-0.92x (higher rates lose that).
+    # same workload is ordered the same way on a CPU and a GPU whose steps are 20x shorter. Chosen on the
+    # mixed-short-long burst at 16 running sequences (the real engine on a tiny model, time in steps): the
+    # longest request finished after 1.16x its steps under fcfs and the short class's P99 fell to 0.62x;
+    # rates 2 and 4 gave 1.17x with less for the short class (0.63x, 0.76x). In wall time the srf tail
+    # (fewer sequences a step) costs less than its step count: a step-time model put it at 1.05x.
     aging: float = 1.0
     max_num_seqs: int = 64  # running sequences (the decode batch) at most
     max_num_batched_tokens: int = 512  # tokens per step, prefill + decode
