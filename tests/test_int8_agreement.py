@@ -74,4 +74,4 @@ def test_measure_int8_stores_its_numbers_beside_the_file(model):
     assert a["free_running"]["replies"] == 8 and a["new_tokens"] == 32 and a["dtype"] == "float32"
     stored = read_agreement(model)
     assert stored["teacher_forced_top1"] == a["teacher_forced_top1"]
-    assert json.loads((model / "int8" / "agreement.json").read_text())["int8_file"]["format"] == "3"
+    assert json.loads((model / "int8" / "agreement.json").read_text())["int8_file"]["format"] == "4"

@@ -440,7 +440,7 @@ def test_cli_ls_import_show_rm(store, tiny_src):
     cfg.write_text("engine:\n  dtype: float32\n  block_size: 4\n  kv_cache_bytes: 4MiB\n")
     shown = json.loads(runner.invoke(app, ["show", "tiny", "--json", "--int8-agreement", "-c", str(cfg)]).output)
     a = shown["int8"]["agreement"]
-    assert shown["int8"]["format"] == "3" and shown["int8"]["current"] and a["dtype"] == "float32"
+    assert shown["int8"]["format"] == "4" and shown["int8"]["current"] and a["dtype"] == "float32"
     assert 0.9 <= a["teacher_forced_top1"] <= 1 and a["free_running"]["replies"] == 8
     result = runner.invoke(app, ["show", "tiny"])
     assert f"teacher-forced top-1 {100 * a['teacher_forced_top1']:.2f}%" in result.output

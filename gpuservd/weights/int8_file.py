@@ -38,8 +38,9 @@ SUBDIR = "int8"
 FILE = "model.safetensors"
 AGREEMENT = "agreement.json"
 # 1 (no marker): one fp32 scale per row; 2: fp16 scale (and minimum) per 64 input columns, asymmetric;
-# 3: fp16 scale and offset per 32 input columns, each group on the better of two grids
-FORMAT = "3"
+# 3: fp16 scale and offset per 32 input columns, each group on the better of two grids; 4: the same layout, each
+# group on the best of three grids (weights/quant.py): a format-3 file is made again for the values it lacks
+FORMAT = "4"
 SCHEME = "int8-groupwise-asymmetric-or-symmetric"
 
 
