@@ -129,6 +129,9 @@ def test_scheduler_overhead_fires_on_decision_share():
 def test_scheduler_overhead_quiet():
     assert scheduler_overhead(window(steps={"m": steps(wall=0.01, decision=0.0005)}), "m", TH) is None
     assert scheduler_overhead(window(steps={"m": steps(5, decision=0.009)}), "m", TH) is None  # too few steps
+    ss = steps(wall=0.01, decision=0.0005)
+    ss[3].update(decision_s=0.2, wall_s=0.21)  # one decision the OS descheduled: 41% of the window's time
+    assert scheduler_overhead(window(steps={"m": ss}), "m", TH) is None
 
 
 SWEEP = {"plateau_batch": 8, "points": [{"batch": b, "tokens_s": s} for b, s in
