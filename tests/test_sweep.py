@@ -117,9 +117,9 @@ def test_bench_keeps_its_promised_options(monkeypatch, tmp_path, capsys):
     seen = {}
 
     def fake_run_bench(workload, config, peers, out, model=None, log=None, compare=None, alone_without=None,
-                       repeats=1):
+                       repeats=1, http=False):
         seen.update(workload=workload, config=config, peers=peers, out=out, model=model, compare=compare,
-                    alone_without=alone_without)
+                    alone_without=alone_without, http=http)
         return {"fake": True}
 
     import gpuservd.bench.report as report
@@ -132,7 +132,7 @@ def test_bench_keeps_its_promised_options(monkeypatch, tmp_path, capsys):
     assert code == 0 and capsys.readouterr().out.strip() == "REPORT"
     assert {k: str(v) if not isinstance(v, list) else [str(x) for x in v] for k, v in seen.items()} == {
         "workload": "wl.yaml", "config": "base.yaml", "peers": ["hf_static"], "out": "o", "model": "tiny",
-        "compare": ["a.yaml", "b.yaml"], "alone_without": "long"}
+        "compare": ["a.yaml", "b.yaml"], "alone_without": "long", "http": "False"}
     assert invoke("bench", "--workload", "wl.yaml", "--target", "socket", "--config", "c.yaml") == 2
     assert "apply to --target inprocess" in capsys.readouterr().err
     assert invoke("bench", "--peers", "none") == 2  # --workload is still required without a subcommand
