@@ -30,9 +30,9 @@ import sys
 import tarfile
 from pathlib import Path
 
+from gpuservd import dtypes
 from gpuservd.bench.peer_job import PeerJob, PeerUnavailable, peers_root, run_logged
 from gpuservd.bench.server_process import ServerSpec
-from gpuservd.runner import cpu_isa
 
 NAME = "llama_server"
 SDIST = "llama-cpp-python"
@@ -60,7 +60,7 @@ def build_variant(isa: str, cpu_flags: set[str] | None = None) -> str:
     native build already is an AVX2 build, and a second one would be minutes for nothing)."""
     if isa != "avx2":
         return "native"
-    flags = cpu_isa.cpu_flags() if cpu_flags is None else cpu_flags
+    flags = dtypes.cpu_flags() if cpu_flags is None else cpu_flags
     return "avx2" if "avx512f" in flags else "native"
 
 

@@ -17,7 +17,6 @@ already set is left alone. Benchmark subprocesses (the daemon under
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from gpuservd.errors import UserError
 
@@ -47,14 +46,3 @@ def apply() -> str:
     for key, value in library_env(isa).items():
         os.environ.setdefault(key, value)
     return isa
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

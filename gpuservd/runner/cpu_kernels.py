@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from gpuservd.dtypes import cpu_flags as _cpu_flags  # a module name of its own: tests stand in another CPU
 from gpuservd.runner import cpu_isa
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,6 @@ ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": torch.ops.gpuserv or None, "reason": why not, "build_s": compile seconds
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _cflags() -> list[str]:
