@@ -409,8 +409,9 @@ class Daemon:
 # How long a thread may keep the GIL while another waits for it (Python's default: 5 ms). The event loop
 # gives the GIL up at every socket call and must take it back each time; while engine threads run Python
 # between their tensor ops, each take could wait the whole interval, and one HTTP request makes several:
-# /health and /metrics took 10-16 ms at P99 beside two busy engines. At 0.5 ms a take waits at most that;
-# the engines lose nothing measurable (they give the GIL up at every tensor op anyway).
+# /health and /metrics took 10-16 ms at P99 beside two busy engines. At 0.5 ms a take waits at most that.
+# The engines should lose little (their tensor ops release the GIL anyway), but that cost has not been
+# measured apart from the rest of the HTTP path's.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
