@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from gpuservd.api.status import DaemonStatus
 from gpuservd.errors import UserError
 from gpuservd.paths import client_socket_path, private_dir_problem, user_socket
+from gpuservd.wire.status import DaemonStatus
 
 ADMIN_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 LONG_TIMEOUT = httpx.Timeout(None, connect=5.0)  # generation, drain, model load: as long as they take

@@ -26,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from gpuservd.api.status import ModelStatus
 from gpuservd.config import torch_device
 from gpuservd.serving.daemon_config import DaemonConfig
 from gpuservd.engine.agreement import int8_verdict
@@ -46,6 +45,7 @@ from gpuservd.weights.prefetch import HitRateWatch, PrefetchStats, Predictor
 from gpuservd.weights.sources import WeightSources
 from gpuservd.worker.build import make_engine
 from gpuservd.serving.model_workers import worker_exited, worker_loop, worker_ready
+from gpuservd.wire.status import ModelStatus
 
 log = logging.getLogger("gpuservd.serving.models")
 LOAD_RETRY_S = 10.0  # a model whose load failed is tried again on demand after this long

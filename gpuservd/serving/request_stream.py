@@ -18,10 +18,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gpuservd.api.protocol import GenerationRequest
 from gpuservd.engine.loop import Accepted, AnyEngineLoop, EngineGone, Failed
 from gpuservd.errors import EngineFailed, ModelUnavailable
 from gpuservd.serving.tenants import Tenant
+from gpuservd.wire.generation import GenerationRequest
 
 
 @dataclass

@@ -18,8 +18,6 @@ import time
 from dataclasses import asdict
 
 from gpuservd import __version__
-from gpuservd.api.protocol import GenerationRequest
-from gpuservd.api.status import DaemonStatus, ModelStatus
 from gpuservd.serving.daemon_config import DaemonConfig
 from gpuservd.engine.request import GuidedSpec, SamplingParams
 from gpuservd.engine.tokenizer import encode_chat, encode_raw
@@ -33,6 +31,8 @@ from gpuservd.serving.cpu_time import cpu_reading
 from gpuservd.serving.models import Models
 from gpuservd.serving.request_stream import ActiveRequest, ModelSlot, RequestContext, engine_gone
 from gpuservd.serving.tenants import TenantMap
+from gpuservd.wire.generation import GenerationRequest
+from gpuservd.wire.status import DaemonStatus, ModelStatus
 
 log = logging.getLogger("gpuservd.serving")
 access_log = logging.getLogger("gpuservd.access")
