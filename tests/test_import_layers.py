@@ -1,4 +1,5 @@
-"""Imports go one way (DESIGN.md, "Layers"): the import-linter contracts in .importlinter hold.
+"""Imports go one way (DESIGN.md, "Layers"): the import-linter contracts in .importlinter hold, and
+every import inside a function says why it is lazy.
 
 The contracts are checked on the source, lazy (function-level) imports included; the console's and
 the CLI's run-time lightness (no torch in sys.modules) is checked by test_console_pilot.py and
@@ -7,6 +8,7 @@ test_cli.py."""
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import os
 import subprocess
 import sys
@@ -37,3 +39,26 @@ def test_every_daemon_module_has_a_layer():
             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
     assert here - named == set(), "add these to the layers in .importlinter"
     assert named - here == set(), "these layers name modules that do not exist"
+
+
+_spec = importlib.util.spec_from_file_location("check_lazy_imports", ROOT / "scripts" / "check_lazy_imports.py")
+check_lazy_imports = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_lazy_imports)
+
+
+def test_every_lazy_import_says_why():
+    """An import inside a function carries a comment saying why it is not at the top (start-up time, an
+    optional dependency, a module that must stay free of torch); scripts/check_lazy_imports.py lists them."""
+    runs = [r for d in ("gpuservd", "console") for r in check_lazy_imports.lazy_imports(ROOT / d, ROOT)]
+    assert runs, "the checker found no lazy imports at all: it is not looking"
+    assert [(rel, line) for rel, line, _, explained in runs if not explained] == []
+
+
+def test_the_lazy_import_checker_finds_an_unexplained_one(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("import os\n\n\ndef f():\n    x = 1\n    import json\n    import re\n    return x\n\n\n"
+                              "def g():\n    try:\n        import torch  # optional: only some machines have it\n"
+                              "    except ImportError:\n        pass\n")
+    runs = check_lazy_imports.lazy_imports(pkg, tmp_path)
+    assert runs == [("pkg/m.py", 6, 2, False), ("pkg/m.py", 13, 1, True)]

@@ -46,7 +46,7 @@ def _plot(path: Path, rows: list[dict]) -> None:
     import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend when imported
 
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     x = [r["cache_size"] for r in rows]

@@ -256,7 +256,7 @@ def _plot(path: Path, summary: dict) -> None:
     import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend when imported
 
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     names = list(summary)

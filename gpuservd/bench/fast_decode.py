@@ -344,7 +344,7 @@ def versions(device: torch.device) -> dict:
     v = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
          "cuda": torch.version.cuda}
     try:
-        import triton
+        import triton  # optional: only CUDA builds of torch bring it
 
         v["triton"] = triton.__version__
     except ImportError:

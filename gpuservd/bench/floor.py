@@ -25,7 +25,7 @@ def measure_read_bandwidth(num_threads: int, nbytes: int = GIB, repeats: int = 3
 
     1 GiB is far beyond any CPU cache, so the sum streams from DRAM; the thread
     count is restored afterwards."""
-    import torch
+    import torch  # here: reports import this module without torch (the note above)
 
     before = torch.get_num_threads()
     torch.set_num_threads(int(num_threads))

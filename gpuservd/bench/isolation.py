@@ -458,7 +458,7 @@ def plot(path: Path, r: dict) -> None:
     import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend when imported
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in ("small-alone", "naive", "gpuserv", "gpuserv-concurrent"):

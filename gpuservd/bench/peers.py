@@ -33,7 +33,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 def torch_dtype(dtype):
     """A torch dtype from a name ("float32", "bf16", ...) or a torch dtype."""
-    import torch
+    import torch  # here: reports import this module without a model (the note above DTYPES)
 
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -45,7 +45,7 @@ def torch_dtype(dtype):
 
 def load_peer_model(model_dir, dtype, num_threads: int | None = None):
     """The transformers model in `model_dir`, in eval mode on the CPU, with torch's thread count set."""
-    import torch
+    import torch  # here: reports import this module without a model (the note above DTYPES)
     from transformers import AutoModelForCausalLM
 
     if num_threads:
@@ -82,7 +82,7 @@ class _StepClock:
 
 def _left_pad(batch: Sequence, pad_id: int):
     """input_ids and attention_mask for a batch of token-id lists, padded on the left."""
-    import torch
+    import torch  # here: reports import this module without a model (the note above DTYPES)
 
     width = max(len(r.prompt_token_ids) for r in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -96,7 +96,7 @@ def _left_pad(batch: Sequence, pad_id: int):
 def _generate(model, batch: Sequence, new_tokens: int, pad_id: int, clock: _StepClock | None = None):
     """One static batch through generate: greedy, exactly `new_tokens` tokens for every row
     (min_new_tokens = max_new_tokens masks EOS at every step, so nothing stops early)."""
-    import torch
+    import torch  # here: reports import this module without a model (the note above DTYPES)
     from transformers import GenerationConfig
 
     ids, mask = _left_pad(batch, pad_id)
@@ -171,7 +171,7 @@ def run_hf_static(model_dir, requests: Sequence, dtype="float32", max_num_seqs: 
 
 
 def _common_extra(dtype, max_num_seqs: int, load: ForeignLoad, reqs: Sequence, timings: list) -> dict:
-    import torch
+    import torch  # here: reports import this module without a model (the note above DTYPES)
 
     expected, counted = sum(r.output_tokens for r in reqs), sum(t.output_tokens for t in timings)
     return {"token_check": {"expected": expected, "counted": counted, "ok": expected == counted},
@@ -183,6 +183,7 @@ def _common_extra(dtype, max_num_seqs: int, load: ForeignLoad, reqs: Sequence, t
 def _cb_config(requests: Sequence, max_num_seqs: int, token_budget: int):
     """A ContinuousBatchingConfig sized for this workload. Left alone, transformers sizes the KV
     cache from free memory (60% of the host's RAM on a CPU) and allocates it all up front."""
+    # here: reports import this module without a model (the note above DTYPES)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     page = 64
@@ -205,7 +206,7 @@ def run_hf_continuous(model_dir, requests: Sequence, dtype="float32", max_num_se
     this thread collects the results. `first_token_s` / `finish_s` are the per-token
     timestamps transformers records (`record_timestamps=True`) when it appends the token.
     `token_budget` is transformers' `max_batch_tokens` (tokens per forward pass)."""
-    import torch
+    import torch  # here: reports import this module without a model (the note above DTYPES)
     from transformers import GenerationConfig
 
     model = model if model is not None else load_peer_model(model_dir, dtype, num_threads)

@@ -197,7 +197,7 @@ def write_sweep(out_dir: Path, r: dict) -> None:
     import matplotlib  # only when a plot is drawn: importing it takes about a second
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot fixes its backend when imported
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").write_text(json.dumps(r, indent=2))

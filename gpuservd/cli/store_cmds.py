@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpuservd.config import load_config
 from gpuservd.errors import StoreCorrupt
 from gpuservd.store.store import ModelInfo, ModelStore
 
@@ -136,11 +137,10 @@ def rm(name: str = typer.Argument(..., help="The model to delete.")) -> None:
 def int8_section(model_dir: Path, name: str, measure: bool, config: Path | None) -> dict:
     """The model's INT8 file and how well it keeps the model's answers (stored by the last measurement;
     measured now with --int8-agreement). torch loads only here: `gpuserv --help` stays light."""
-    from gpuservd.weights.int8_file import FORMAT, int8_format, int8_path, read_agreement
+    from gpuservd.weights.int8_file import FORMAT, int8_format, int8_path, read_agreement  # torch: here only
 
     if measure:
-        from gpuservd.config import load_config
-        from gpuservd.engine.agreement import measure_int8
+        from gpuservd.engine.agreement import measure_int8  # the engine: only with --int8-agreement
 
         measure_int8(name, model_dir, load_config(config))
     path = int8_path(model_dir)
@@ -162,7 +162,7 @@ def _int8_line(sec: dict, name: str) -> str:
     a = sec["agreement"]
     if a is None:
         return f"{head}; agreement not measured (gpuserv models show {name} --int8-agreement)"
-    from gpuservd.engine.agreement import summary_line
+    from gpuservd.engine.agreement import summary_line  # the engine (torch): only when one was measured
 
     return f"{head}; {summary_line(a)}"
 

@@ -257,7 +257,7 @@ def run_checks(socket_path: Path | None = None, store: Path | None = None) -> di
     import torch  # only here: the checks take their outside world as arguments (module docstring)
 
     try:
-        import pynvml as nvml
+        import pynvml as nvml  # here, like torch; a missing NVML is a finding, not a crash
     except ImportError:
         nvml = None
     sock = Path(socket_path) if socket_path else client_socket_path()

@@ -214,7 +214,7 @@ class GreenAdapter:
             cuda = cuda or torch.cuda
             if cls is None:
                 try:
-                    from torch.cuda import green_contexts as gc
+                    from torch.cuda import green_contexts as gc  # torch >= 2.9 only; older ones say why
                 except ImportError:
                     self._reason = f"torch {torch_version} has no torch.cuda.green_contexts (it came in 2.9)"
                     return

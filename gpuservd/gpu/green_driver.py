@@ -25,7 +25,7 @@ STREAM_POOL = 32  # streams made per partition, then reused round-robin (as torc
 def load_driver():
     """The cuda.bindings driver module, or raise ImportError with the reason."""
     try:
-        from cuda.bindings import driver
+        from cuda.bindings import driver  # optional: cuda-python, on CUDA machines only
     except ImportError:
         try:
             from cuda import cuda as driver  # cuda-python before 12.6

@@ -78,7 +78,7 @@ class HostReader:
 
     def __init__(self):
         try:
-            import psutil
+            import psutil  # here: a missing psutil is a reading's reason, not a failed start
         except ImportError:
             self.psutil, self.reason = None, "psutil not installed"
             return
@@ -150,7 +150,7 @@ class DeviceReader:
         self._info.update({k: v for k, v in ident.items() if k in ("name", "uuid", "pci_bus_id")})
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml as nvml  # only with a CUDA device: torch-free commands never load NVML
             except ImportError:
                 self._reason = "nvidia-ml-py not installed"
                 return
