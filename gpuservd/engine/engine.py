@@ -13,7 +13,7 @@ import torch
 
 from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
-from gpuservd.engine import detokenizer, offline, prompt_logprobs
+from gpuservd.engine import detokenizer, offline, prompt_logprobs, step_rows
 from gpuservd.engine.grammar import Grammars
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
@@ -27,7 +27,6 @@ from gpuservd.engine.tokenizer import load_tokenizer
 from gpuservd.errors import UserError
 from gpuservd.events.types import Event, LayerResume, LayerSuspend, Victim
 from gpuservd.kv_cache.swap import HostKVPool, Swapper, host_bandwidth
-from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.decode_step import DecodeResult
 from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
@@ -279,17 +278,8 @@ class LLMEngine:
         self.swapper.execute(sched.moves)  # CUDA: enqueued; swap-outs' host copies run beside the forward
         swap_s = time.perf_counter() - ts
         if not sched.empty:
-            chunks = [
-                SeqChunk(
-                    c.request.token_slice(c.start_pos, c.num_tokens),
-                    c.start_pos,
-                    self.scheduler.kv.table(c.request),
-                    c.sample,
-                    self._stop_ids(c.request) if c.num_tokens == 1 else (),
-                    all_logits=c.request.wants_prompt_logits,
-                )
-                for c in sched.chunks
-            ]
+            chunks = step_rows.seq_chunks(sched.chunks, self.scheduler.kv, self.eos_token_ids,
+                                          on_device=self.runner.decode_step is not None)
             masks = self.grammars.fill_async([c.request for c in sched.chunks if c.sample])
             t1 = time.perf_counter()
             try:
@@ -398,7 +388,8 @@ class LLMEngine:
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
         stops: list[bool | None] = [None] * len(sampling)
-        if isinstance(result, DecodeResult) and all(r.params.plain_greedy for r in sampling):
+        if isinstance(result, DecodeResult) and all(
+                r.params.plain_greedy or (result.sampled and r.params.plain_sampling) for r in sampling):
             ids, stops = result.host()  # chosen on the device: one small copy
             sampled = SamplerOutput(ids, [None] * len(ids))
         elif sampling:
@@ -431,13 +422,8 @@ class LLMEngine:
                 outputs.append(self._output(req, [tok], lp))
         return outputs
 
-    def _stop_ids(self, req: Request) -> tuple[int, ...]:
-        """The ids that end a request: what the fixed-shape step checks on the device."""
-        p = req.params
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(sorted(self.eos_token_ids)))
-
     def _stop_reason(self, req: Request, tok: int, stopped: bool | None = None) -> FinishReason | None:
-        """stopped: the device's verdict on tok against _stop_ids (None: check here)."""
+        """stopped: the device's verdict on tok against step_rows.stop_ids (None: check here)."""
         p = req.params
         if stopped is None:
             stopped = (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids

@@ -155,6 +155,12 @@ class SamplingParams:
         return (self.greedy and not self.penalized and not self.logit_bias and not self.min_tokens
                 and self.logprobs is None and self.guided is None)
 
+    @property
+    def plain_sampling(self) -> bool:
+        """Sampling with temperature, top_k, top_p, min_p and a seed only (the device sampler's rows)."""
+        return (not self.greedy and not self.penalized and not self.logit_bias and not self.min_tokens
+                and self.logprobs is None and self.guided is None)
+
 
 @dataclass(frozen=True)
 class Rebuild:

@@ -26,9 +26,9 @@ What a step costs here matters at batch 32 over a 49k vocabulary (6 MB of
 logits a pass), so the rows are processed in place in one copy, in a handful
 of passes. The allowed-token bitmask is unpacked with numpy's `unpackbits` (a
 byte a token, no int32 expansion) and applied in place to the constrained rows
-only. The inverse CDF is taken in two levels: sums over chunks of CDF_CHUNK
-tokens locate the chunk, and only that chunk is summed token by token in
-float64, so no [R, V] cumulative sum or float64 copy is made.
+only. The inverse CDF is taken in two levels (runner/device_sampling.py's
+inverse_cdf): chunk sums locate the chunk, and only that chunk is summed token
+by token in float64, so no [R, V] cumulative sum or float64 copy is made.
 
 Random draws are counter-based, not stateful generators: row r draws one
 uniform number u = hash(seed_r, step_r), step_r = the tokens it has generated,
@@ -39,7 +39,9 @@ order rows happen to be in; the hash is integer tensor arithmetic over the
 batch, so the same code runs on CUDA (and inside a CUDA graph) with no host
 round trip and no per-row loop. SGLang's `multinomial_with_seed` takes the same
 approach (with Gumbel noise over the whole vocabulary; one draw per row is
-cheaper on a CPU).
+cheaper on a CPU). The hash and the inverse CDF live in runner/device_sampling.py,
+which also chooses the plain-sampling rows of a fixed-shape decode step on the
+device (inside its CUDA graph); this sampler and that one give the same tokens.
 """
 
 from __future__ import annotations
@@ -51,15 +53,11 @@ import torch
 
 from gpuservd.engine.request import Request
 from gpuservd.runner import cpu_kernels
+from gpuservd.runner.device_sampling import inverse_cdf, uniform
 
-_M32 = 0xFFFFFFFF
-# Multipliers under 2**31 keep every product of a 32-bit value inside int64 (no overflow on any device).
-_MIX = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
 # Rows without top_k look for their top_p nucleus among this many most likely tokens first (a top-k
 # instead of a full sort of the vocabulary); a row whose nucleus is larger is sorted in full.
 NUCLEUS_CANDIDATES = 1024
-# The inverse CDF's first level sums the probabilities over chunks of this many tokens (192 for a 49k vocabulary).
-CDF_CHUNK = 256
 
 
 @dataclass
@@ -87,23 +85,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
         if ops is not None:
             return ops.argmax_rows(logits)
     return torch.argmax(logits, dim=-1)
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values < 2**32."""
-    for m in _MIX:
-        x = x ^ (x >> 16)
-        x = (x * m) & _M32
-    return x ^ (x >> 15)
-
-
-def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One number in (0, 1) per row (float64), a pure function of (seed, step): seeds, steps int64 [R]."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    h = _mix32(_mix32(lo ^ _mix32(hi)) ^ (steps & _M32))
-    h2 = _mix32(h ^ 0x5BD1E995)
-    bits = (h << 21) | (h2 >> 11)  # 53 random bits
-    return (bits.to(torch.float64) + 0.5) / float(1 << 53)
 
 
 def _forbidden(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -227,24 +208,6 @@ def _truncate(x: torch.Tensor, params: list) -> torch.Tensor:
     return out.scatter_(1, ids, vals.masked_fill(~keep, neg))
 
 
-def _draw(e: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token where the running sum of e [R, V] (probabilities) passes u [R] (float64, in (0, 1)) times
-    the row's sum: chunk sums locate the chunk, then that chunk alone is summed token by token."""
-    R, V = e.shape
-    C = CDF_CHUNK
-    n = -(-V // C)
-    padded = e if V == n * C else torch.nn.functional.pad(e, (0, n * C - V))
-    chunks = padded.view(R, n, C)
-    ccdf = torch.cumsum(chunks.sum(-1).double(), dim=-1)  # [R, n]
-    target = u * ccdf[:, -1]
-    ci = torch.searchsorted(ccdf, target.unsqueeze(1), right=True).squeeze(1).clamp(max=n - 1)
-    before = ccdf.gather(1, (ci - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    before = torch.where(ci > 0, before, torch.zeros_like(before))
-    inner = torch.cumsum(chunks[torch.arange(R, device=e.device), ci].double(), dim=-1)  # [R, C]
-    j = torch.searchsorted(inner, (target - before).unsqueeze(1), right=True).squeeze(1).clamp(max=C - 1)
-    return ci * C + j
-
-
 def _choose(x: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """The chosen tokens [R] for the processed logits x [R, V]: greedy rows take the argmax; the others the
     inverse CDF at their counter-based uniform."""
@@ -254,7 +217,7 @@ def _choose(x: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: tor
     # softmax's own vectorized exp, not torch.exp: the latter (MKL's) takes a slow path for every -inf,
     # and a grammar or top-k row is almost all -inf (4x the time at batch 16 x 49k).
     probs = torch.softmax(x, dim=-1)  # [R, V]
-    drawn = _draw(probs, uniform(seeds, steps))
+    drawn = inverse_cdf(probs, uniform(seeds, steps))
     # Rounding at the very top of the CDF could land on a token of probability 0 (or in the padding):
     # take the best then.
     V = x.shape[1]

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpuservd.runner.device_sampling import RowSampling
+
 MAX_PAD_WASTE = 0.5  # padded context slots / real context tokens, per decode group
 PAD_SLACK_TOKENS = 128  # sequences within this many tokens of the group's longest always join it
 # Prefill chunks with at most this many context tokens attend in the paged kernel with the decode rows.
@@ -40,6 +42,9 @@ class SeqChunk:
     # Token ids that end the sequence (its EOS ids unless ignored, its stop ids): the fixed-shape decode
     # step checks its chosen token against them on the device (decode_step.py).
     stop_ids: tuple[int, ...] = ()
+    # How the fixed-shape step chooses this row's token on the device: None = greedy (the argmax), else
+    # its sampling parameters and seed (device_sampling.py). Other paths ignore it.
+    sampling: RowSampling | None = None
     # The logits of every token of the chunk are needed too (prompt logprobs): returned after the
     # sampled rows (see build_batch's logits_indices).
     all_logits: bool = False

@@ -4,7 +4,9 @@ On the GPU a small model's decode step is launch-bound: ~35 kernels a layer,
 each a few microseconds of Python and launch overhead, against well under a
 microsecond of memory traffic. A graph replays the whole forward (embedding,
 every layer, final norm, LM head, the greedy argmax and the stop-id check)
-as one launch.
+as one launch. A step where some row samples (temperature, top_k, top_p)
+replays a second graph per bucket after it: the device sampler
+(device_sampling.py) over the first graph's static logits.
 
 Capture: after the weights are complete, for every bucket from the largest
 down (smaller graphs reuse the larger ones' memory), all sharing one memory
@@ -102,6 +104,9 @@ class DecodeGraphs:
         self.pool = None  # the memory pool every graph of this engine shares
         self._whole: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}  # replay, logits, chosen
         self._segments: dict[int, list[tuple[object, object]]] = {}  # replay, outputs; per layer
+        # The device sampler after the forward, per (bucket, segmented): replay, chosen [2, bucket]. Its own
+        # graph, replayed only when a row samples: an all-greedy step does not pay for its sort.
+        self._sampler: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
         self.capture_s = 0.0
 
     def has(self, bucket: int, segmented: bool = False) -> bool:
@@ -117,12 +122,7 @@ class DecodeGraphs:
 
     def _reset_inputs(self) -> None:
         """Padding rows only: nothing written to the cache, nothing read from it."""
-        inp = self.step.inputs
-        inp.token_ids.zero_()
-        inp.positions.zero_()
-        inp.slots.fill_(-1)
-        inp.stop_ids.fill_(-1)
-        inp.ctx_lens.zero_()
+        self.step.inputs.neutral()
 
     def capture(self, sizes, segmented: bool = False) -> float:
         """Capture the buckets in `sizes` (largest first); returns the seconds it took."""
@@ -137,8 +137,11 @@ class DecodeGraphs:
             for b in sorted(sizes, reverse=True):
                 if segmented:
                     self._segments[b] = self._capture_segments(b)
+                    logits = self._segments[b][-1][1][0]
                 else:
                     self._whole[b] = self._capture_whole(b)
+                    logits = self._whole[b][1]
+                self._sampler[b, segmented] = self.record(lambda logits=logits: self.step.sample(logits), self.pool)
             if self.cuda:
                 torch.cuda.synchronize()
         finally:
@@ -152,13 +155,13 @@ class DecodeGraphs:
         on a side stream as capture requires."""
         if not self.cuda:
             for b in sizes:
-                self.step.forward(b)
+                self.step.sample(self.step.forward(b))
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in sorted(sizes, reverse=True):
-                self.step.forward(b)
+                self.step.sample(self.step.forward(b))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
@@ -176,6 +179,8 @@ class DecodeGraphs:
             last = layer == num_layers - 1
 
             def segment(ckpt=ckpt, layer=layer, last=last):
+                if ckpt is None:
+                    step.resolve_ids(b)  # ids the previous step chose, gathered before the embedding
                 out = step.model.forward(step.batch(b), step.cache.layer, resume=ckpt,
                                          suspend=None if last else (lambda i: i == layer))
                 return (out, step.choose(out)) if last else out
@@ -201,3 +206,9 @@ class DecodeGraphs:
             if layer < len(segments) - 1:
                 between(layer)
         return segments[-1][1]
+
+    def replay_sampler(self, bucket: int, segmented: bool) -> torch.Tensor:
+        """After replay(): every row's chosen id (drawn where it samples) and stop verdict, [2, bucket]."""
+        replay, chosen = self._sampler[bucket, segmented]
+        replay()
+        return chosen
