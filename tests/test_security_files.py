@@ -20,9 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from cli_invoke import invoke  # noqa: E402
 from daemon_harness import DaemonProcess, make_home  # noqa: E402
-from hostile import as_user, open_dir, remove, require_root  # noqa: E402
+from hostile import NOBODY, as_user, open_dir, remove, require_root  # noqa: E402
 
+from gpuservd.api.client import Client  # noqa: E402
+from gpuservd.daemon.run import bind_unix  # noqa: E402
 from gpuservd.errors import StoreCorrupt, UserError  # noqa: E402
+from gpuservd.paths import daemon_socket_path  # noqa: E402
 from gpuservd.store.layout import read_safetensors_header  # noqa: E402
 from gpuservd.store.store import ModelStore  # noqa: E402
 
@@ -63,12 +66,61 @@ def test_runtime_dir_planted_by_another_user_is_refused(tmp_path, home, monkeypa
         # A client does not send its prompt there either.
         monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
         monkeypatch.delenv("GPUSERV_SOCKET", raising=False)
-        from gpuservd.api.client import Client
-
         with pytest.raises(UserError, match="belongs to uid 65534"):
             Client()
     finally:
         remove(xdg)
+
+
+VICTIM = 4343  # a uid with no account here: the user whose default runtime directory is planted
+
+
+def test_default_tmp_runtime_dir_planted_by_another_user_is_refused():
+    """Without XDG_RUNTIME_DIR the socket lives in /tmp/gpuserv-UID, a name anyone can predict and make
+    first. Here uid 65534 owns that directory (mode 0777) with a live socket inside; the victim, a real
+    second uid, neither listens there nor sends its prompt there."""
+    require_root()
+    planted = Path(f"/tmp/gpuserv-{VICTIM}")
+    remove(planted)
+    planted.mkdir()
+    trap = socket.socket(socket.AF_UNIX)
+    try:
+        trap.bind(str(planted / "gpuserv.sock"))
+        trap.listen(8)
+        trap.setblocking(False)
+        for p in (planted, planted / "gpuserv.sock"):
+            os.chmod(p, 0o777)
+            os.chown(p, NOBODY, NOBODY)
+
+        def victim():
+            for var in ("XDG_RUNTIME_DIR", "GPUSERV_SOCKET", "RUNTIME_DIRECTORY"):
+                os.environ.pop(var, None)
+            path = daemon_socket_path()
+
+            def ask():
+                with Client() as c:
+                    c.request("POST", "/v1/completions", {"model": "tiny", "prompt": "my secret"}, timeout=2)
+
+            answers = [str(path)]
+            for attempt in (lambda: bind_unix(path, 0o600, None, 8), ask):
+                try:
+                    attempt()
+                    answers.append("accepted")
+                except UserError as exc:
+                    answers.append(str(exc))
+                except Exception as exc:  # noqa: BLE001 - e.g. the trap never answering
+                    answers.append(f"went ahead: {type(exc).__name__}")
+            return answers
+
+        where, daemon_says, client_says = as_user(victim, VICTIM, VICTIM)
+        assert where == str(planted / "gpuserv.sock")
+        for said in (daemon_says, client_says):
+            assert f"{planted} belongs to uid 65534, not to you (uid {VICTIM})" in said, said
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody connected to the planted socket
+    finally:
+        trap.close()
+        remove(planted)
 
 
 def test_runtime_dir_is_made_private_and_a_writable_one_refused(tmp_path, home):
