@@ -5,6 +5,7 @@ The real daemon over its socket (and TCP)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import sys
@@ -172,3 +173,38 @@ def test_names_that_are_no_model_leave_no_per_name_state(store_home):
 
     run_in_app(check, {"engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
                        "cache": {"load_on_demand": True}, "server": {"models": []}}, load=["tiny"])
+
+
+def _python_level_calls(fn) -> int:
+    """How many calls (Python functions and builtins) fn() makes: a count of work that does not depend on
+    the machine's speed or load."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_body_of_numbers_is_checked_without_a_step_per_number():
+    """The body is parsed and checked on the event loop, which every stream's tokens go through: a 4 MB
+    prompt of token ids must not cost a Python step per id (it held every stream for seconds)."""
+    from gpuservd.api import json_body
+
+    ids = json.dumps({"model": "tiny", "prompt": [5] * 100_000, "stop_token_ids": [1, 2],
+                      "logprobs": 2, "temperature": 0.5}).encode()
+    assert json_body.loads(ids)["prompt"] == [5] * 100_000
+    assert _python_level_calls(lambda: json_body.loads(ids)) < 1000
+    # The same checks still hold inside such lists.
+    for raw, message in ((b'{"prompt": [5, 6, NaN]}', "prompt[2] is NaN"),
+                         (b'{"prompt": [5, "\\ud800"]}', "prompt[1] holds a lone surrogate"),
+                         (b'{"prompt": [5, ' + b"7" * 41 + b"]}", "an integer of 41 digits")):
+        with pytest.raises(json_body.BodyError, match=re.escape(message)):
+            json_body.loads(raw)
