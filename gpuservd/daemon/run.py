@@ -28,6 +28,7 @@ import stat
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gpuservd.api.client import Client
@@ -219,7 +220,14 @@ class Daemon:
         # checked: a bad config is a one-line error at once, and `gpuserv plan` imports this module cheaply.
         from gpuservd.api.metrics import Metrics
         from gpuservd.api.server import build_app, make_server
+        from gpuservd.runner.omp import use_threads
         from gpuservd.serving.serving import Serving
+
+        # Only engine threads own OpenMP teams (runner/omp.py): this thread and the executor's threads
+        # (the host-tier copy after a load, INT8 checks) run their tensor ops serially.
+        use_threads(1)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="gpuservd-io", initializer=use_threads, initargs=(1,)))
 
         s = self.cfg.server
         tenants = TenantMap.load(s.tenants_path())

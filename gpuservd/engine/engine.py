@@ -30,6 +30,7 @@ from gpuservd.kv_cache.swap import HostKVPool, Swapper, host_bandwidth
 from gpuservd.runner.decode_step import DecodeResult
 from gpuservd.runner.llama import LayerCheckpoint
 from gpuservd.runner.model_runner import ModelRunner
+from gpuservd.runner.omp import use_threads
 from gpuservd.store.store import ModelStore
 
 
@@ -39,8 +40,8 @@ class LLMEngine:
     def __init__(self, model_name: str, model_dir: Path, config: EngineConfig, tokenizer=None,
                  weight_source=None, initial_layers: int | None = None, on_layer=None):
         config.validate()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # The OpenMP team this thread steps with (runner/omp.py); None leaves the thread's count as it is.
+        self.num_threads = use_threads(config.num_threads) if config.num_threads else None
         self.name = model_name
         self.config = config
         pending_tokenizer = None
@@ -229,8 +230,9 @@ class LLMEngine:
                 "costs": sc.cost.to_dict()}
 
     def decode_status(self) -> dict:
-        """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why."""
-        return self.runner.decode_status()
+        """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why, and the
+        OpenMP team the calling (engine) thread steps with."""
+        return {**self.runner.decode_status(), "threads": torch.get_num_threads()}
 
     def prefix_cache_status(self) -> dict:
         """Prefix caching: on or off, what it found (tokens, as vLLM counts them) and what it holds."""
@@ -254,6 +256,8 @@ class LLMEngine:
         """One step: schedule, move KV, forward, sample. With granularity `layer`, a forward carrying prefill may
         stop between layers when `interrupt(priority)` says a more urgent request waits; the next step serves it
         without the suspended batch, and the one after finishes the suspended forward where it stopped."""
+        if self.num_threads and torch.get_num_threads() != self.num_threads:
+            use_threads(self.num_threads)  # a library's first parallel op on this thread reset it (runner/omp.py)
         carried, self._carried = self._carried, []
         if self.grammars.pending:  # a request whose grammar failed to attach ends as a failed row
             idle = not self.scheduler.has_unfinished() and not carried

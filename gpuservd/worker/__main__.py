@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 
 from gpuservd.engine.calls import EngineFacts
 from gpuservd.engine.loop import IDLE_TICK_S, EngineLoop, Failed, Submission
+from gpuservd.runner.omp import use_threads
 from gpuservd.weights.sources import store_source
 from gpuservd.worker.build import make_engine
 
@@ -127,6 +128,7 @@ def serve(conn: Connection) -> int:
     assert kind == "spec", kind
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(levelname)s gpuservd.worker[{spec.model} pid {os.getpid()}] %(name)s: %(message)s")
+    use_threads(1)  # this thread only relays messages; the engine thread owns the OpenMP team (runner/omp.py)
     poster = Poster(channel)
     facts: list = []
     loop = EngineLoop(spec.model, lambda: build(spec, channel, facts), poster, poster.post, hooks=poster,

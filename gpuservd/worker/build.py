@@ -8,7 +8,7 @@ front) and an engine worker process (worker/__main__.py builds from a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 
 from gpuservd.config import EngineConfig
 from gpuservd.engine.engine import LLMEngine
+from gpuservd.runner.omp import DEFAULT_THREADS
 
 
 @dataclass
@@ -35,7 +36,10 @@ class WorkerSpec:
 
 def make_engine(name: str, config_dir: Path, cfg: EngineConfig, source, initial_layers: int | None,
                 on_layer, tenant_quotas):
-    """The engine over `source`, with its tenants' quotas (on the thread that will step it)."""
+    """The engine over `source`, with its tenants' quotas (on the thread that will step it, which takes the
+    OpenMP team of the engine's size: runner/omp.py)."""
+    if not cfg.num_threads:
+        cfg = replace(cfg, num_threads=DEFAULT_THREADS)
     if cfg.device.startswith("cuda"):  # this thread's current device: streams and kernels go there
 
         torch.cuda.set_device(torch.device(cfg.device))
