@@ -26,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gpuservd.api import admin_routes, openai_routes
 from gpuservd.api.auth import AdminGuard
 from gpuservd.api.limits import BodyLimit
+from gpuservd.api.peer_limit import PeerConnections, peer_key
 from gpuservd.api.read_deadline import ReadDeadlines
 from gpuservd.api.http import not_found
 
@@ -45,14 +46,31 @@ def peer_credentials(sock) -> tuple[int, int, int] | None:
 
 
 class PeerCredProtocol(ReadDeadlines, H11Protocol):
-    """uvicorn's h11 protocol plus the peer's credentials in scope["state"], with read deadlines."""
+    """uvicorn's h11 protocol plus the peer's credentials in scope["state"], with read deadlines and a
+    limit on the connections one peer holds (`peers`, shared by a server's connections; None = none)."""
+
+    peers: PeerConnections | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         unix = sock is not None and sock.family == socket.AF_UNIX
-        self.app_state = {**self.app_state, "peer": peer_credentials(sock) if unix else None,
-                          "via": "unix" if unix else "tcp"}
+        peer = peer_credentials(sock) if unix else None
+        self.app_state = {**self.app_state, "peer": peer, "via": "unix" if unix else "tcp"}
+        self.peer_key = None
+        if self.peers is not None:
+            key = peer_key(peer)
+            if not self.peers.admit(key):
+                transport.write(self.peers.refusal(key))
+                transport.close()
+                return
+            self.peer_key = key
+
+    def connection_lost(self, exc) -> None:
+        if self.peers is not None:
+            self.peers.release(self.peer_key)
+            self.peer_key = None
+        super().connection_lost(exc)
 
 
 def build_app(serving, metrics, controller, tcp_token: str | None = None, admin_token: str | None = None) -> Starlette:
@@ -80,11 +98,12 @@ class Server(uvicorn.Server):
 
 
 def make_server(app, server_cfg) -> Server:
-    """server_cfg: daemon_config.ServerConfig (backlog, read deadlines)."""
+    """server_cfg: daemon_config.ServerConfig (backlog, read deadlines, connections per peer)."""
 
     class Protocol(PeerCredProtocol):
         header_timeout_s = server_cfg.header_timeout_s
         body_timeout_s = server_cfg.body_timeout_s
+        peers = PeerConnections(lambda: server_cfg.max_connections_per_user)  # read live: a reload applies
 
     config = uvicorn.Config(
         app,

@@ -38,6 +38,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # request bodies larger than this are refused (413)
     header_timeout_s: float = 10.0  # a connection must send its request head within this
     body_timeout_s: float = 30.0  # ...and its body within this after the head (a slow sender is cut off)
+    max_connections_per_user: int = 256  # connections one uid may hold on the Unix socket; more -> 429; 0 = off
     metrics_public: bool = False  # true: GET /metrics over TCP needs no token (for Prometheus, endpoint pickers)
     models: list = field(default_factory=lambda: ["smollm2"])  # loaded at start
     max_queued_per_model: int = 256  # admitted requests without a first token yet, per model; more -> 429
@@ -71,6 +72,9 @@ class ServerConfig:
         if not isinstance(self.max_body_bytes, int) or not 1024 <= self.max_body_bytes <= 1 << 30:
             raise UserError(f"server.max_body_bytes must be an integer in [1024, 1073741824], got "
                             f"{self.max_body_bytes!r}")
+        v = self.max_connections_per_user
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise UserError(f"server.max_connections_per_user must be an integer >= 0 (0 = no limit), got {v!r}")
         for name in ("header_timeout_s", "body_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 3600:
@@ -126,7 +130,7 @@ class ServerConfig:
 # applies at the next model load (the engine section).
 HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "max_n", "drain_timeout", "admission_window_ms",
               "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions", "log_prompts",
-              "max_body_bytes",
+              "max_body_bytes", "max_connections_per_user",
               "metrics_public")
 
 
