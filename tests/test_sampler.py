@@ -221,3 +221,20 @@ def test_logprobs_only_for_the_rows_that_ask_and_the_draw_does_not_depend_on_the
     assert a.logprobs[0].logprob == pytest.approx(float(want[a.token_ids[0]]), abs=1e-5)
     assert [t for t, _ in a.logprobs[0].top] == torch.topk(want, 2).indices.tolist()
     assert b.logprobs[2].top == [] and b.logprobs[2].token_id == b.token_ids[2]
+
+
+def test_a_row_without_truncation_keeps_its_vocabulary_beside_rows_with_it():
+    """Truncation is per row: a temperature-only row beside a top_k or a top_p row draws from its whole
+    distribution, as it does alone (its logprobs, those of the distribution drawn from, show it)."""
+    x = logits(2, seed=8)
+    mine = req(temperature=1.0, seed=3, logprobs=5)
+    alone = sample(x[:1], [mine]).logprobs[0]
+    assert all(math.isfinite(v) for _, v in alone.top)
+    for other in (req(temperature=1.0, top_k=2, seed=4), req(temperature=1.0, top_p=0.5, seed=4)):
+        assert sample(x, [mine, other]).logprobs[0] == alone
+    # A peaked row whose float32 running sum reaches 1.0 before its tail: beside a top_p row the tail stays.
+    peaked = torch.zeros(2, V)
+    peaked[:, 0] = 30.0
+    alone = sample(peaked[:1], [mine]).logprobs[0]
+    assert sample(peaked, [mine, req(temperature=1.0, top_p=0.9, seed=4)]).logprobs[0] == alone
+    assert all(math.isfinite(v) for _, v in alone.top)

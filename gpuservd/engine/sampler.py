@@ -200,12 +200,16 @@ def _truncate(x: torch.Tensor, params: list) -> torch.Tensor:
         lse = torch.where(has_k, torch.logsumexp(vals, -1), torch.logsumexp(x, -1)).unsqueeze(1)
         sp = torch.exp(vals - lse)
         cum = torch.cumsum(sp, dim=-1)
-        # The nucleus: the shortest prefix reaching top_p (the first token always stays).
-        keep = (cum - sp < top_p.unsqueeze(1)) & (pos < k_row)
+        # The nucleus: the shortest prefix reaching top_p (the first token always stays). A row without
+        # top_p keeps every token: where float32's running sum reaches 1.0 before the tail, `cum - sp < 1`
+        # would drop the tail, and only when another row of the batch had asked for top_p.
+        keep = ((cum - sp < top_p.unsqueeze(1)) | ~has_p.unsqueeze(1)) & (pos < k_row)
         if k == V or not p_only or bool((has_k | ~has_p | (cum[:, -1] >= top_p)).all()):
             break
-    out = torch.full_like(x, neg)
-    return out.scatter_(1, ids, vals.masked_fill(~keep, neg))
+    out = torch.full_like(x, neg).scatter_(1, ids, vals.masked_fill(~keep, neg))
+    # A row with neither top_k nor top_p keeps its whole vocabulary: the candidates above are only the k
+    # most likely that another row of the batch asked for.
+    return out if bool((has_k | has_p).all()) else torch.where((has_k | has_p).unsqueeze(1), out, x)
 
 
 def _choose(x: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
