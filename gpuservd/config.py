@@ -184,6 +184,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
+    # Schedule decode step N+1 on the host while step N runs on the device (engine/overlap.py): None = on
+    # for a CUDA device with the fixed-shape decode step; true = wherever that step runs (on the CPU the
+    # forward is not asynchronous, so there it only reorders the host work); false = off.
+    overlap: bool | None = None
 
     def device_names(self) -> list[str]:
         """The daemon's devices: engine.devices, else [engine.device] (one device)."""
@@ -207,6 +211,8 @@ class EngineConfig:
         if not (self.cuda_graphs.enabled is None or isinstance(self.cuda_graphs.enabled, bool)):
             raise UserError(f"engine.cuda_graphs.enabled must be true or false, got {self.cuda_graphs.enabled!r}")
         check_batch_sizes(self.cuda_graphs.batch_sizes)
+        if not (self.overlap is None or isinstance(self.overlap, bool)):
+            raise UserError(f"engine.overlap must be true or false, got {self.overlap!r}")
         s = self.scheduler
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens", "max_num_prefill_seqs"):
             if getattr(s, name) < 1:

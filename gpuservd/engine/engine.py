@@ -13,8 +13,9 @@ import torch
 
 from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
-from gpuservd.engine import detokenizer, offline, prompt_logprobs, step_rows
+from gpuservd.engine import detokenizer, offline, overlap, prompt_logprobs, step_rows
 from gpuservd.engine.grammar import Grammars
+from gpuservd.engine import preemption
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
@@ -97,6 +98,9 @@ class LLMEngine:
         self.rows = RowFailures()  # the sampler, failing a request alone when its row raises (rows.take())
         self.telemetry = Telemetry(config.telemetry_ring_size)
         self.requests: dict[str, Request] = {}
+        # Decode steps launched before the last one is read (engine/overlap.py): on for CUDA by default.
+        self.overlap = config.overlap if config.overlap is not None else self.runner.device.type == "cuda"
+        self._inflight: overlap.InFlight | None = None
 
     @property
     def yield_point(self):
@@ -190,6 +194,7 @@ class LLMEngine:
             if request_id not in self.requests:
                 return None  # it finished in that forward
         req = self.requests.pop(request_id)
+        overlap.unpend(req)
         self.scheduler.remove(req)
         return self._finish(req, RequestState.FINISHED_ABORTED, FinishReason.ABORT)
 
@@ -212,27 +217,18 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._carried) or bool(self.grammars.pending)
+        return (self.scheduler.has_unfinished() or bool(self._carried) or bool(self.grammars.pending)
+                or self._inflight is not None)
 
     def preemption_status(self) -> dict:
         """The preemption settings in force and the state of the host pool (for /admin/status)."""
-        sc = self.scheduler
-        p = self.config.preemption
-        return {"mode": p.mode, "enabled": sc.preemption_on, "granularity": p.granularity, "kind": p.kind,
-                "victim_policy": p.victim_policy, "memory_threshold": p.memory_threshold,
-                "host_blocks_used": self.host_pool.num_used, "host_blocks_total": self.host_pool.num_blocks,
-                "num_swapped": sum(r.state is RequestState.SWAPPED for r in sc.waiting),
-                "num_suspended": len(self._suspended.requests) if self._suspended else 0,
-                # Requests preempted max_preemptions times (never chosen again) and the free blocks kept
-                # for their growth: why requests may wait while kv_blocks_free is not 0.
-                "num_pinned": sum(sc.is_pinned(r) for r in sc.running + sc.waiting),
-                "kv_blocks_reserved": sc.reserved_blocks(),
-                "costs": sc.cost.to_dict()}
+        return preemption.status(self.scheduler, self.config.preemption, self.host_pool,
+                                 len(self._suspended.requests) if self._suspended else 0)
 
     def decode_status(self) -> dict:
-        """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why, and the
-        OpenMP team the calling (engine) thread steps with."""
-        return {**self.runner.decode_status(), "threads": torch.get_num_threads()}
+        """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why, whether
+        they overlap, and the OpenMP team the calling (engine) thread steps with."""
+        return {**self.runner.decode_status(), "overlap": self.overlap, "threads": torch.get_num_threads()}
 
     def prefix_cache_status(self) -> dict:
         """Prefix caching: on or off, what it found (tokens, as vLLM counts them) and what it holds."""
@@ -276,6 +272,12 @@ class LLMEngine:
             self.scheduler.running[:0] = inflight
         if self._suspended is not None:
             self._suspended.served = True
+        flight, self._inflight = self._inflight, None
+        if self.overlap and overlap.chainable(self, sched):
+            return carried + overlap.launch(self, sched, flight, t0)
+        if flight is not None:  # the step in flight is read before this one runs
+            carried += overlap.land(self, flight)
+            overlap.drop_finished(self, sched)
         forward_s = 0.0
         outputs: list[RequestOutput] = []
         ts = time.perf_counter()
@@ -382,9 +384,8 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, result: torch.Tensor | DecodeResult,
                 filled: tuple | None = None) -> list[RequestOutput]:
-        """Sample from the forward's logits [S, V] (or a fixed-shape step's DecodeResult, whose greedy ids
-        the CUDA graph already took on the device) and hand out the tokens. filled: the grammar masks
-        computed beside the forward (None: compute them here)."""
+        """Sample from the forward's logits [S, V] (or take a fixed-shape step's DecodeResult, chosen on the
+        device) and hand out the tokens. filled: the grammar masks computed beside the forward (None: here)."""
         sampling = [c.request for c in sched.chunks if c.sample]
         if not isinstance(result, DecodeResult) and result.shape[0] > len(sampling):
             prompt_logprobs.record(sched.chunks, result[len(sampling):])
@@ -392,6 +393,7 @@ class LLMEngine:
         for c in sched.chunks:
             c.request.advance(c.num_tokens)
         stops: list[bool | None] = [None] * len(sampling)
+        sampled = SamplerOutput([], [])
         if isinstance(result, DecodeResult) and all(
                 r.params.plain_greedy or (result.sampled and r.params.plain_sampling) for r in sampling):
             ids, stops = result.host()  # chosen on the device: one small copy
@@ -400,12 +402,15 @@ class LLMEngine:
             bitmask, masked = filled if filled is not None else self.grammars.fill(sampling)
             logits, greedy = (result.logits, result.greedy) if isinstance(result, DecodeResult) else (result, None)
             sampled = self.rows.sample(logits, sampling, self.eos_token_ids, bitmask, masked, greedy_ids=greedy)
-        else:
-            sampled = SamplerOutput([], [])
-        now = time.monotonic()
         # A row that raised alone (engine/row_failures.py) ends its request as an abort; the others go on.
         outputs = [self.abort(r.request_id) for r, t in zip(sampling, sampled.token_ids) if t is None]
-        for req, tok, lp, stop in zip(sampling, sampled.token_ids, sampled.logprobs, stops):
+        return outputs + self._hand_out(sampling, sampled.token_ids, sampled.logprobs, stops)
+
+    def _hand_out(self, reqs: list[Request], token_ids: list, logprobs: list, stops: list) -> list[RequestOutput]:
+        """Append each request's new token (None: skipped) and finish the ones it ends; their outputs."""
+        now = time.monotonic()
+        outputs = []
+        for req, tok, lp, stop in zip(reqs, token_ids, logprobs, stops):
             if tok is None:
                 continue
             req.output_token_ids.append(tok)

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gpuservd.config import Granularity, MoveKind, PreemptionMode
+from gpuservd.engine.request import RequestState
 from gpuservd.events.types import PreemptionModeSwitch
 
 
@@ -168,3 +169,18 @@ class AutoMode:
         self.enabled = want
         return PreemptionModeSwitch(enabled=want, p50=p50, p99=p99, ratio=round(skew, 3), threshold=self.ratio,
                                     window=len(self.lengths), running=len(running), p99_lower_bound=not p99_known)
+
+
+def status(scheduler, settings, host_pool, num_suspended: int) -> dict:
+    """The preemption settings in force and the state of the host pool (the engine's preemption_status)."""
+    sc, p = scheduler, settings
+    return {"mode": p.mode, "enabled": sc.preemption_on, "granularity": p.granularity, "kind": p.kind,
+            "victim_policy": p.victim_policy, "memory_threshold": p.memory_threshold,
+            "host_blocks_used": host_pool.num_used, "host_blocks_total": host_pool.num_blocks,
+            "num_swapped": sum(r.state is RequestState.SWAPPED for r in sc.waiting),
+            "num_suspended": num_suspended,
+            # Requests preempted max_preemptions times (never chosen again) and the free blocks kept
+            # for their growth: why requests may wait while kv_blocks_free is not 0.
+            "num_pinned": sum(sc.is_pinned(r) for r in sc.running + sc.waiting),
+            "kv_blocks_reserved": sc.reserved_blocks(),
+            "costs": sc.cost.to_dict()}

@@ -129,6 +129,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         model = self.step.model
         mid_layer, model.mid_layer = model.mid_layer, None  # a Python yield would run at capture only
+        last_ids = self.step.last_ids.clone()  # the ids a step launched before the capture chose
         try:
             self._reset_inputs()
             self._warm_up(sizes)
@@ -146,6 +147,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
         finally:
             model.mid_layer = mid_layer
+            self.step.last_ids.copy_(last_ids)
         took = time.perf_counter() - t0
         self.capture_s += took
         return took

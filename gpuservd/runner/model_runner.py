@@ -164,10 +164,11 @@ class ModelRunner:
                 "capture_s": round(graphs.capture_s, 3) if graphs is not None else None,
                 "last_step": step.last_path if step is not None else "eager"}
 
-    def execute(self, chunks: list[SeqChunk], suspend=None):
+    def execute(self, chunks: list[SeqChunk], suspend=None, sources=None):
         """One forward over the chunks; logits [S, V] (fp32) for the chunks with sample=True, in order,
         or a LayerCheckpoint if suspend(layer) asked to stop between layers (see resume()). Decode-only
-        steps go through the fixed-shape step where it is on, which returns a DecodeResult."""
+        steps go through the fixed-shape step where it is on, which returns a DecodeResult; sources[i]
+        >= 0 there: chunk i's token is the one the previous step chose in that row, not read yet."""
         step = self.decode_step
         if step is not None and step.takes(chunks):
             graphs = step.graphs
@@ -176,7 +177,9 @@ class ModelRunner:
                 self.capture_graphs()  # a layered load has completed
                 if self._wants_segments and step.graphs is not None:
                     self.capture_graphs(segmented=True)
-            return step.run(chunks, between=suspend)
+            return step.run(chunks, between=suspend, sources=sources)
+        if sources is not None and any(i >= 0 for i in sources):
+            raise ValueError("tokens still on the device can only feed the fixed-shape decode step")
         batch = build_batch(chunks, self.block_size, self.device)
         return self.model.forward(batch, self.cache.layer, suspend=suspend)
 
