@@ -18,10 +18,12 @@
 #          what is left of BUDGET_S (default 520 s for the whole call)
 #   fast   issue 19 in one call of at most 7 minutes (`fast -- 420`): versions; each Triton kernel
 #          against torch and the CUDA engine tests (graphs included); the decode fast-path bench
-#          (python3 -m gpuservd.bench.fast_decode: step times eager / fixed-shape / graph / static
-#          ceiling / read floor for SmolLM2's and a ~1B shape, a mixed step both ways, greedy graph ==
-#          eager, 256 random-length requests eager and with graphs); then the rest of the test suite
-#          with the time left. Everything in bench/results/<date>-h200-fast/
+#          (python3 -m gpuservd.bench.fast_decode: step times eager / fixed-shape / graph / graph with
+#          every row sampled on the device / static ceiling / read floor for SmolLM2's and a ~1B shape,
+#          a mixed step both ways, greedy graph == eager and == graph with overlap, seeded sampling
+#          graph == fixed-shape eager, 256 random-length requests eager, with graphs, and with graphs
+#          and overlap); then the rest of the test suite with the time left.
+#          Everything in bench/results/<date>-h200-fast/
 #
 # The machine has no network: the Python packages its image lacks (starlette, uvicorn, gguf, textual,
 # and for the full test suite openai, import-linter, pytest-textual-snapshot and theirs) travel as

@@ -137,3 +137,31 @@ def test_arbiter_yields_run_between_per_layer_graph_segments(tiny_model_dir):
     assert eng.runner.decode_step.last_path == "graph"
     layers = eng.runner.arch.num_layers
     assert calls and set(calls) <= set(range(layers))  # layer indices; decode steps give layers - 1 per step
+
+
+def _drive(eng, ps, params):
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        eng.add_request(f"r{i}", p, sp)
+    got = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [got[f"r{i}"] for i in range(len(ps))]
+
+
+def test_device_sampling_and_overlap_through_graphs(tiny_model_dir):
+    """Seeded sampling rows drawn by the device sampler's graph give the eager fixed-shape step's tokens
+    (the same kernels and shapes), with overlap on (the CUDA default) and off; greedy rows too."""
+    ps = prompts(n=5)
+    params = [SamplingParams(max_tokens=10 + i, temperature=0.7 + 0.1 * i, top_p=0.9, top_k=20 * (i % 2),
+                             seed=i, **PARAMS) for i in range(4)] + [SamplingParams(max_tokens=9, **PARAMS)]
+    fixed = _graph_engine(tiny_model_dir, enabled=False)
+    fixed.runner.enable_decode_step([1, 2, 8])
+    fixed.overlap = False
+    want = _drive(fixed, ps, params)
+    eng = _graph_engine(tiny_model_dir, batch_sizes=[1, 2, 8])
+    assert eng.decode_status()["overlap"] is True and eng.overlap
+    assert _drive(eng, ps, params) == want
+    assert eng.runner.decode_step.last_path == "graph" and eng.pool.num_free == eng.pool.capacity
+    eng.overlap = False
+    assert _drive(eng, ps, params) == want

@@ -10,9 +10,14 @@ For each (batch, context) point, one decode step of `batch` sequences with `cont
 - eager_ms: today's path (build_batch: host-built indices, synchronous copies) + greedy to the host;
 - fixed_ms: the fixed-shape step run eagerly (bucket-padded, persistent inputs);
 - graph_ms: the fixed-shape step replayed as a CUDA graph, greedy ids copied to the host;
+- sampled_ms: the same with every row sampling (temperature 0.8, top_p 0.9, a seed each): the device
+  sampler's graph replayed after the forward's, the drawn ids copied to the host;
 - ceiling_ms: a static decode of the same weights with contiguous KV ([batch, kv_heads, context, d]
   per layer, SDPA) captured in one graph, gpt-fast style: what this GPU does with no paging at all;
 - floor_ms: (weight bytes + KV bytes read) / the device copy bandwidth measured in this run.
+
+The 256-request throughput runs three ways: eager, graphs with the engine's overlap off, and graphs
+with it on (engine/overlap.py: step N+1 launched before step N's ids are read).
 
 A mixed step (one prefill chunk beside decode rows) is timed both ways: one eager batch, as the engine
 runs it, and the chunk eagerly followed by the decode rows through their graph (cuda_graphs.py says
@@ -24,12 +29,13 @@ graphs: graph_ms and ceiling_ms are then the fixed-shape and static paths run ea
 is known to run end to end before a GPU sees it (tests/test_bench_fast_decode.py).
 
 Writes DIR/steps.json (a list of {model, batch, context, eager_ms, graph_ms, ceiling_ms, floor_ms,
-fixed_ms}), DIR/result.json (everything, versions included) and DIR/result.md.
+fixed_ms, sampled_ms}), DIR/result.json (everything, versions included) and DIR/result.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -49,6 +55,7 @@ from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
 from gpuservd.runner import cuda_graphs, gpu_kernels
 from gpuservd.runner.batch import SeqChunk
+from gpuservd.runner.device_sampling import RowSampling
 from gpuservd.runner.llama import rms_norm
 from gpuservd.runner.model_runner import ModelRunner
 from gpuservd.runner.rope import apply_rope
@@ -235,6 +242,8 @@ def measure_points(name: str, runner: ModelRunner, points, iters: int, bandwidth
         fixed = median_ms(lambda: torch.argmax(step.run(chunks).logits, -1).tolist(), dev, iters)
         step.graphs = graphs
         graph = median_ms(lambda: step.run(chunks).greedy.tolist(), dev, iters) if cuda else None
+        drawn = [dataclasses.replace(c, sampling=RowSampling(0.8, 0, 0.9, 0.0, i, 0)) for i, c in enumerate(chunks)]
+        sampled = median_ms(lambda: step.run(drawn).host(), dev, iters)
         static = StaticDecode(runner, batch, context)
         if cuda:
             static.capture()
@@ -243,9 +252,9 @@ def measure_points(name: str, runner: ModelRunner, points, iters: int, bandwidth
         floor = (runner.load_report.weight_bytes + batch * context * kv_per_token) / bandwidth * 1e3
         row = {"model": name, "batch": batch, "context": context, "eager_ms": round(eager, 4),
                "graph_ms": None if graph is None else round(graph, 4), "ceiling_ms": round(ceiling, 4),
-               "floor_ms": round(floor, 4), "fixed_ms": round(fixed, 4)}
+               "floor_ms": round(floor, 4), "fixed_ms": round(fixed, 4), "sampled_ms": round(sampled, 4)}
         log(f"{name} b={batch} ctx={context}: eager {eager:.3f} fixed {fixed:.3f} graph "
-            f"{'-' if graph is None else f'{graph:.3f}'} ceiling {ceiling:.3f} floor {floor:.3f} ms")
+            f"{'-' if graph is None else f'{graph:.3f}'} sampled {sampled:.3f} ceiling {ceiling:.3f} floor {floor:.3f} ms")
         rows.append(row)
     return rows
 
@@ -279,28 +288,42 @@ def mixed_step(runner: ModelRunner, decode_rows: int, context: int, chunk: int, 
 
 def greedy_agreement(cfg_dir: Path, shape: LlamaShape, device: str, dtype: str, num_prompts: int,
                      max_tokens: int) -> dict:
-    """Greedy tokens of the graph path against the eager fixed-shape step (the same shapes: must be equal)
-    and against today's eager batch (other matmul shapes: agreement reported)."""
+    """Greedy tokens of the graph path (with and without overlap) against the eager fixed-shape step (the
+    same shapes: must be equal) and against today's eager batch (other matmul shapes: agreement
+    reported); and seeded sampling through the device sampler's graph against the fixed-shape step."""
     g = random.Random(7)
     prompts = [[g.randrange(3, 300) for _ in range(g.randrange(8, 40))] for _ in range(num_prompts)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    drawn = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.8, top_p=0.9,
+                            seed=i) for i in range(num_prompts)]
     outs = {}
-    for label in ("eager", "fixed", "graph"):
+    for label in ("eager", "fixed", "graph", "graph_overlap", "fixed_sampled", "graph_sampled"):
         cfg = EngineConfig(model="bench", device=device, dtype=dtype, block_size=BLOCK_SIZE,
                            kv_cache_bytes=64 << 20, max_model_len=512,
-                           cuda_graphs=CudaGraphsConfig(enabled=False))
+                           cuda_graphs=CudaGraphsConfig(enabled=False), overlap=label.startswith("graph"))
         eng = LLMEngine("bench", cfg_dir, cfg, tokenizer=_NoTokenizer(),
                         weight_source=RandomSource(shape, torch.float32, device))
         if label != "eager":
             step = eng.runner.enable_decode_step([1, 2, 4, 8, 16])
-            if label == "graph" and eng.runner.device.type == "cuda":
+            if label.startswith("graph") and eng.runner.device.type == "cuda":
                 step.graphs = cuda_graphs.DecodeGraphs(step)
                 step.graphs.capture(step.batch_sizes)
-        outs[label] = eng.generate(prompts, params)
+        if label.endswith("sampled"):
+            for i, (p, sp) in enumerate(zip(prompts, drawn)):
+                eng.add_request(f"s{i}", p, sp)
+            got: dict = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            outs[label] = [got[f"s{i}"] for i in range(num_prompts)]
+        else:
+            outs[label] = eng.generate(prompts, params)
     same = sum(a == b for x, y in zip(outs["graph"], outs["eager"]) for a, b in zip(x, y))
     total = sum(len(x) for x in outs["graph"])
     return {"graph_equals_fixed_eager": outs["graph"] == outs["fixed"], "graph_equals_eager": outs["graph"] == outs["eager"],
-            "graph_vs_eager_token_agreement": round(same / max(1, total), 4), "tokens": total}
+            "graph_vs_eager_token_agreement": round(same / max(1, total), 4), "tokens": total,
+            "overlap_equals_graph": outs["graph_overlap"] == outs["graph"],
+            "sampled_graph_equals_fixed": outs["graph_sampled"] == outs["fixed_sampled"]}
 
 
 class _NoTokenizer:
@@ -310,14 +333,14 @@ class _NoTokenizer:
 
 
 def throughput(cfg_dir: Path, shape: LlamaShape, device: str, dtype: str, num_requests: int, lo: int, hi: int,
-               graphs: bool, budget_s: float) -> dict:
+               graphs: bool, budget_s: float, overlap: bool = False) -> dict:
     """nano-vLLM's recipe: num_requests requests, input and output lengths uniform in [lo, hi]; output
     tokens per second of the whole run (stopped at budget_s, counting what finished by then)."""
     g = random.Random(0)
     reqs = [([g.randrange(3, 300) for _ in range(g.randint(lo, hi))], g.randint(lo, hi)) for _ in range(num_requests)]
     need = sum(-(-(len(p) + n) // BLOCK_SIZE) for p, n in reqs) + 16
     cfg = EngineConfig(model="bench", device=device, dtype=dtype, block_size=BLOCK_SIZE, max_model_len=2 * hi + 16,
-                       cuda_graphs=CudaGraphsConfig(enabled=graphs))
+                       cuda_graphs=CudaGraphsConfig(enabled=graphs), overlap=overlap)
     cfg.kv_cache_bytes = need * block_bytes(shape, dtype)
     cfg.scheduler.max_num_seqs = min(256, num_requests)
     cfg.scheduler.max_num_batched_tokens = max(1024, cfg.scheduler.max_num_seqs)
@@ -335,7 +358,7 @@ def throughput(cfg_dir: Path, shape: LlamaShape, device: str, dtype: str, num_re
             done += o.finished
         steps += 1
     took = time.perf_counter() - t0
-    return {"graphs": graphs, "decode_path": eng.decode_status()["path"], "requests": num_requests,
+    return {"graphs": graphs, "overlap": eng.overlap, "decode_path": eng.decode_status()["path"], "requests": num_requests,
             "finished": done, "output_tokens": out_tokens, "steps": steps, "seconds": round(took, 3),
             "tokens_per_s": round(out_tokens / took, 2), "complete": not eng.has_unfinished()}
 
@@ -361,12 +384,13 @@ def write_results(out: Path, result: dict) -> None:
     (out / "steps.json").write_text(json.dumps(result["steps"], indent=1) + "\n")
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Decode fast path ({result['versions'].get('gpu', result['versions']['device'])})", "",
-             "| model | batch | context | eager ms | fixed ms | graph ms | ceiling ms | floor ms | graph / ceiling |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch | context | eager ms | fixed ms | graph ms | sampled ms | ceiling ms | floor ms "
+             "| graph / ceiling |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["steps"]:
         ratio = f"{r['graph_ms'] / r['ceiling_ms']:.2f}" if r["graph_ms"] and r["ceiling_ms"] else "-"
+        graph = r["graph_ms"] if r["graph_ms"] is not None else "-"
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['eager_ms']} | {r['fixed_ms']} | "
-                     f"{r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['ceiling_ms']} | {r['floor_ms']} | {ratio} |")
+                     f"{graph} | {r['sampled_ms']} | {r['ceiling_ms']} | {r['floor_ms']} | {ratio} |")
     lines += ["", "mixed steps (one prefill chunk beside decode rows):"]
     lines += [f"- {json.dumps(m)}" for m in result.get("mixed", [])]
     lines += ["", f"greedy: {json.dumps(result.get('greedy'))}", "", "throughput:"]
@@ -419,12 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"greedy {result['greedy']}")
         n, lo, hi = (6, 4, 12) if smoke else (256, 100, 1024)
         result["throughput"] = []
-        for graphs in (False, True):
+        ways = [(False, False), (True, False), (True, True)]  # (graphs, overlap)
+        for k, (graphs, overlap) in enumerate(ways):
             left = args.budget_s - (time.perf_counter() - t0)
             if left < 20 and not smoke:
-                result["skipped"].append(f"throughput graphs={graphs}")
+                result["skipped"].append(f"throughput graphs={graphs} overlap={overlap}")
                 continue
-            run = throughput(dirs[first], shape, args.device, dtype, n, lo, hi, graphs, max(10.0, left / 2))
+            run = throughput(dirs[first], shape, args.device, dtype, n, lo, hi, graphs,
+                             max(10.0, left / (len(ways) - k)), overlap=overlap)
             result["throughput"].append(run)
             log(f"throughput {run}")
     write_results(args.out, result)
