@@ -209,7 +209,9 @@ def _truncate(x: torch.Tensor, params: list) -> torch.Tensor:
     out = torch.full_like(x, neg).scatter_(1, ids, vals.masked_fill(~keep, neg))
     # A row with neither top_k nor top_p keeps its whole vocabulary: the candidates above are only the k
     # most likely that another row of the batch asked for.
-    return out if bool((has_k | has_p).all()) else torch.where((has_k | has_p).unsqueeze(1), out, x)
+    if all(p.top_k > 0 or p.top_p < 1.0 for p in params):  # decided from the params: no device sync
+        return out
+    return torch.where((has_k | has_p).unsqueeze(1), out, x)
 
 
 def _choose(x: torch.Tensor, greedy: list[bool], seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
