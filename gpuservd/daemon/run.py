@@ -414,19 +414,9 @@ class Daemon:
             print(f"demo: {exc}", file=sys.stderr, flush=True)
 
 
-# How long a thread may keep the GIL while another waits for it (Python's default: 5 ms). The event loop
-# gives the GIL up at every socket call and must take it back each time; while engine threads run Python
-# between their tensor ops, each take could wait the whole interval, and one HTTP request makes several:
-# /health and /metrics took 10-16 ms at P99 beside two busy engines. At 0.5 ms a take waits at most that.
-# The engines should lose little (their tensor ops release the GIL anyway), but that cost has not been
-# measured apart from the rest of the HTTP path's.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
 def run_daemon(config: Path | None = None, socket_path: str | None = None, tcp: str | None = None,
                models: list[str] | None = None, log_level: str | None = None, demo: str | None = None) -> int:
     """Build and run the daemon in this process; returns its exit code (raises UserError on bad config)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     cpu_isa.apply()  # before the first tensor op: the libraries read their ISA variables on first use
     daemon = Daemon(config, socket_path, tcp, models, log_level, demo)
     setup_logging(daemon.cfg.server.log_level)
