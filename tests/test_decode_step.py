@@ -237,3 +237,29 @@ def test_a_layered_load_captures_at_the_first_decode_step(tiny_model_dir, ops):
     assert step.graphs.captured == [] and not step.graphs.segmented
     assert eng.generate(ps, params) == want
     assert step.graphs.captured == [1, 2] and step.graphs.segmented and step.last_path == "graph"
+
+
+def test_a_triton_kernel_that_fails_to_compile_is_a_one_line_logged_fallback(monkeypatch, caplog):
+    """On CUDA the kernels are compiled at engine start; a failure is logged once, in one line, status says
+    why, and the runner takes the torch ops (GPUSERV_TRITON=0 likewise). Checked here without a GPU: the
+    failure comes before any CUDA call."""
+    from gpuservd.runner import gpu_kernels
+
+    monkeypatch.setattr(gpu_kernels, "_state", {})
+
+    def broken():
+        raise RuntimeError("CompilationError at 12:4:\n    acc += tl.dot(p, v)\nunsupported tile shape")
+
+    monkeypatch.setattr(gpu_kernels, "_load", broken)
+    with caplog.at_level("WARNING"):
+        assert gpu_kernels.get("cuda:0", torch.bfloat16) is None
+        assert gpu_kernels.get("cuda:0", torch.bfloat16) is None  # remembered: not compiled (or logged) again
+    lines = [r.getMessage() for r in caplog.records if "Triton kernels not used" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "RuntimeError: unsupported tile shape" in lines[0]
+    st = gpu_kernels.status()
+    assert st["loaded"] is False and st["reason"] == "RuntimeError: unsupported tile shape"
+    monkeypatch.setattr(gpu_kernels, "_state", {})
+    monkeypatch.setenv("GPUSERV_TRITON", "0")
+    assert gpu_kernels.get("cuda:0") is None and gpu_kernels.status() == {
+        "loaded": False, "reason": "GPUSERV_TRITON=0", "compile_s": None, "disabled": True}
+    assert gpu_kernels.get("cpu") is None  # the CPU has its C++ kernels instead
