@@ -222,7 +222,8 @@ def test_run_checks_uses_the_given_store(tmp_path):
 
 def test_decode_path_checks():
     """Doctor says how each model's decode steps run; eager where graphs were expected is a warning."""
-    graphs = {"path": "cuda_graphs", "captured": [1, 2, 4], "capture_s": 1.5, "kernels": "triton", "reason": "CUDA graphs"}
+    graphs = {"path": "cuda_graphs", "captured": [1, 2, 4], "capture_s": 1.5, "kernels": "triton", "reason": "CUDA graphs",
+              "overlap": True}
     cpu = {"path": "eager", "reason": "eager on cpu", "kernels": "c++"}
     asked = {"path": "eager", "reason": "CUDA graphs asked for, but the device is cpu: eager", "kernels": "c++"}
     no_triton = {"path": "eager", "reason": "eager: the Triton kernels are not available", "kernels": "torch"}
@@ -236,6 +237,7 @@ def test_decode_path_checks():
     checks, _ = doctor.check_daemon(FakeClient({"status": "ok"}, {"models": models}))
     by = {c.name: c for c in checks}
     assert by["decode:g"].status == "ok" and "replay CUDA graphs for batch sizes 1,2,4" in by["decode:g"].summary
+    assert by["decode:g"].summary.endswith("triton kernels; overlap on)")  # step N+1 launched before N is read
     assert by["decode:c"].status == "info" and "eagerly (eager on cpu" in by["decode:c"].summary
     assert by["decode:a"].status == "warn" and by["decode:t"].status == "warn"
     assert by["decode:o"].status == "info" and "decode:old" not in by

@@ -212,8 +212,10 @@ def check_decode_path(model: dict) -> Check:
     name = model["name"]
     if d.get("path") == "cuda_graphs":
         took = d.get("capture_s")
+        overlap = {True: "; overlap on", False: "; overlap off"}.get(d.get("overlap"), "")
         return Check(f"decode:{name}", "ok", f"{name}: decode steps replay CUDA graphs for batch sizes "
-                     f"{','.join(map(str, d.get('captured', [])))} (captured in {took} s, {d.get('kernels')} kernels)", d)
+                     f"{','.join(map(str, d.get('captured', [])))} (captured in {took} s, {d.get('kernels')} kernels"
+                     f"{overlap})", d)
     cuda = str(model.get("device", "")).startswith("cuda")
     reason = d.get("reason") or "eager"
     degraded = "asked for" in reason or (cuda and "enabled is false" not in reason and "=0" not in reason)
