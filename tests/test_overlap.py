@@ -124,11 +124,14 @@ def test_preemption_under_overlap_keeps_the_tokens(tiny_model_dir, ops, kind):
     assert eng.pool.num_free == eng.pool.capacity
 
 
-def test_overlap_setting(tiny_model_dir):
+def test_overlap_setting(tiny_model_dir, ops):
     with pytest.raises(UserError, match=r"^engine\.overlap must be true or false, got 'yes'$"):
         config_from_dict({"engine": {"overlap": "yes"}}).validate()
     cfg = EngineConfig(model="tiny", block_size=4, kv_cache_bytes=4 << 20)
     eng = LLMEngine("tiny", tiny_model_dir, cfg)
     assert eng.overlap is False and eng.decode_status()["overlap"] is False  # CPU default: off
     cfg.overlap = True
-    assert LLMEngine("tiny", tiny_model_dir, cfg).decode_status()["overlap"] is True
+    eng = LLMEngine("tiny", tiny_model_dir, cfg)
+    assert eng.overlap and eng.decode_status()["overlap"] is False  # asked, but no fixed-shape step to chain
+    eng.runner.enable_decode_step([1, 2])
+    assert eng.decode_status()["overlap"] is True

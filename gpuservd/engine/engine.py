@@ -228,7 +228,8 @@ class LLMEngine:
     def decode_status(self) -> dict:
         """How decode steps run (CUDA graphs, the fixed-shape step eagerly, or the eager batch) and why, whether
         they overlap, and the OpenMP team the calling (engine) thread steps with."""
-        return {**self.runner.decode_status(), "overlap": self.overlap, "threads": torch.get_num_threads()}
+        on = self.overlap and self.runner.decode_step is not None  # overlap chains fixed-shape steps only
+        return {**self.runner.decode_status(), "overlap": on, "threads": torch.get_num_threads()}
 
     def prefix_cache_status(self) -> dict:
         """Prefix caching: on or off, what it found (tokens, as vLLM counts them) and what it holds."""
