@@ -22,6 +22,7 @@ import faulthandler
 import logging
 import os
 import platform
+import resource
 import signal
 import socket
 import stat
@@ -414,10 +415,30 @@ class Daemon:
             print(f"demo: {exc}", file=sys.stderr, flush=True)
 
 
+# Open files the daemon asks for: every client connection is one, and a shell's soft limit (often 1024)
+# is spent by one burst of connections; the hard limit is the ceiling the administrator set.
+FD_LIMIT = 65536
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard limit (at most FD_LIMIT); returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as exc:  # a sandbox may refuse; the daemon runs with what it has
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, exc)
+        return soft
+    return want
+
+
 def run_daemon(config: Path | None = None, socket_path: str | None = None, tcp: str | None = None,
                models: list[str] | None = None, log_level: str | None = None, demo: str | None = None) -> int:
     """Build and run the daemon in this process; returns its exit code (raises UserError on bad config)."""
     cpu_isa.apply()  # before the first tensor op: the libraries read their ISA variables on first use
+    raise_fd_limit()
     daemon = Daemon(config, socket_path, tcp, models, log_level, demo)
     setup_logging(daemon.cfg.server.log_level)
     return asyncio.run(daemon.run())
