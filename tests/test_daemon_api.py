@@ -81,10 +81,10 @@ def test_socket_is_0660_and_status_reports_the_model(daemon, http):
     assert m["state"] == "ready" and m["kv_blocks_total"] > 0 and m["kv_block_size"] == 4
     assert {"kv_blocks_free", "num_running", "num_waiting", "max_model_len"} <= set(m)
     assert st["device"]["backend"] == "cpu" and st["version"]
-    # CPU so far, and the GIL interval the daemon runs with (shorter than Python's 5 ms: daemon/run.py)
+    # CPU so far, and the GIL interval the daemon runs with (Python's default, 5 ms)
     cpu = st["process"]
     assert cpu["cpu_s"] >= cpu["loop_cpu_s"] > 0 and cpu["workers_cpu_s"] == 0
-    assert cpu["gil_switch_interval_s"] == pytest.approx(0.0005)
+    assert cpu["gil_switch_interval_s"] == pytest.approx(0.005)
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").json()["models"] == ["tiny"]
 

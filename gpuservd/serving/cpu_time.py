@@ -12,7 +12,7 @@ that other work shares, where wall-clock times do not.
 - `workers_cpu_s`: engine worker processes (engine.isolation: process), which
   `cpu_s` does not include;
 - `gil_switch_interval_s`: how long a thread may hold the GIL while the event
-  loop waits for it (the daemon lowers Python's default: daemon/run.py).
+  loop waits for it (Python's default of 5 ms unless something changed it).
 """
 
 from __future__ import annotations
