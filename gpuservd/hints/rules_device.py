@@ -54,7 +54,15 @@ def device_errors(w: Window, model: None, th: Thresholds) -> dict | None:
 
 
 def timeslice_overhead(w: Window, model: None, th: Thresholds) -> dict | None:
-    """Switching between models that share an SM group eats more than 5% of the time."""
+    """Switching between models that share an SM group eats more than 5% of the time.
+
+    A switch is what the arbiter times: from the release to the moment the next holder's thread runs. On a
+    CPU that is a thread wake plus taking the GIL, about 0.1 ms at the median against a quantum of at least
+    10 ms (1%); it passes 5% only when the OS or another Python thread keeps the woken thread waiting, on an
+    oversubscribed machine (two tiny models at a 10 ms quantum on a loaded 2-core box read 5.03%, from a
+    tail of 3-17 ms waits behind a 0.08 ms median). No quantum or model setting makes that happen on
+    purpose, so this rule is not fired from real records on a CPU; the 5% was set for switches between
+    partitions on a GPU."""
     slices = w.recent_events("time_slice", th.step_span_s)
     if len(slices) < th.timeslice_min_slices:
         return None
@@ -77,7 +85,11 @@ def _overlaps(starts: list[float], reach: list[float], a: float, b: float) -> bo
 
 
 def sharing_contention(w: Window, model: str, th: Thresholds) -> dict | None:
-    """A latency-critical model's P99 step time is much worse while a neighbour steps at the same time."""
+    """A latency-critical model's P99 step time is much worse while a neighbour steps at the same time.
+
+    On a CPU all models share one time-sliced group, so what a step pays beside a neighbour is mostly the
+    neighbour's turn: a best-effort model cut between two layers waits for it inside its step. A neighbour's
+    step counts once it has ended (its record); one still suspended at the evaluation is not seen yet."""
     classes = {m: (s or {}).get("sharing_class") for m, s in w.models.items()}
     if any(c == "latency_critical" for c in classes.values()) and classes.get(model) != "latency_critical":
         return None  # classes are declared and this model is not the one to protect
