@@ -17,7 +17,9 @@ neighbour and back.
 
 The quiet window is the hint's own advice: chat declared latency_critical. Within its share it goes first
 and never gives way in the middle of its work (the neighbour is cut at its next layer instead), so its steps
-beside the neighbour cost what they cost alone. Its requests there carry a 236-token prompt (prefix caching
+beside the neighbour cost what they cost alone. Within its share: the neighbour runs 30 steps alone after
+each of chat's requests there, so chat holds the device well under 0.95 of the time (over its share a
+latency-critical model takes turns too, by design). Its requests carry a 236-token prompt (prefix caching
 off), so on both sides the P99 is a prefill step of a few hundred ms, not whichever 10 ms step a loaded
 machine delayed by 50; as a best-effort model of share 0.05 that prefill would wait some 19 quanta of the
 neighbour's and fire the rule. The models are larger than the last level cache (42 MB of weights against
@@ -77,9 +79,9 @@ def config(chat: dict, batch: dict) -> dict:
             "sharing": {"quantum_ms": 50, "bandwidth_priority": False, "models": {"chat": chat, "batch": batch}}}
 
 
-def traffic(result: dict, cycles: int, prompt: str):
+def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0):
     """`cycles` times: a chat request alone, then one while batch has a long request running (cancelled once
-    chat's is done).
+    chat's is done and batch has made neighbour_after more steps alone).
     result gets the active hints, the rules' status and the events the bus carried."""
     async def check(client, serving):
         events: list[dict] = []
@@ -111,6 +113,8 @@ def traffic(result: dict, cycles: int, prompt: str):
             await until(lambda: job.done() or count("step", "batch") > stepped)  # the neighbour is stepping
             assert not job.done(), job.result()
             await ask("chat", CHAT_TOKENS)
+            stepped = count("step", "batch")
+            await until(lambda: job.done() or count("step", "batch") >= stepped + neighbour_after)
             await cancel_batch()  # the neighbour's job ends with chat's request
             assert (await job)["choices"][0]["finish_reason"] == "abort"
         serving.hints.tick(serving)  # the daemon's evaluation
@@ -171,7 +175,7 @@ def test_a_best_effort_model_beside_a_heavier_neighbour_fires_sharing_contention
 
 def test_the_model_declared_latency_critical_is_quiet_beside_the_same_neighbour(two_models):
     got: dict = {}
-    run_in_app(traffic(got, 8, LONG_PROMPT),
+    run_in_app(traffic(got, 8, LONG_PROMPT, neighbour_after=30),
                config({"share": 0.95, "class": "latency_critical"}, {"share": 0.05, "class": "best_effort"}),
                load=["chat", "batch"])
     events = got["events"]
