@@ -187,7 +187,7 @@ def test_the_model_declared_latency_critical_is_quiet_beside_the_same_neighbour(
     assert ("sharing_contention", "chat") not in got["hints"]
     assert got["rules"]["sharing_contention"]["fed"]
     # why: chat gave the device up only when it had nothing left to do, never in the middle of its work;
-    # the neighbour was cut short for it
+    # the neighbour, busy, gave way to it
     slices = [e for e in events if e["type"] == "time_slice"]
     assert {e["reason"] for e in slices if e["model"] == "chat"} == {"idle"}
     assert any(e["model"] == "batch" and e["next"] == "chat" and e["reason"] != "idle" for e in slices)
