@@ -17,12 +17,13 @@ neighbour and back.
 
 The quiet window is the hint's own advice: chat declared latency_critical. Within its share it goes first
 and never gives way in the middle of its work (the neighbour is cut at its next layer instead), so its steps
-beside the neighbour cost what they cost alone. Within its share: the neighbour runs 30 steps alone after
-each of chat's requests there, so chat holds the device well under 0.95 of the time (over its share a
-latency-critical model takes turns too, by design). Its requests carry a 236-token prompt (prefix caching
+beside the neighbour cost what they cost alone. Within its share: chat has all of it (1.0; batch the
+rest, nothing) and the neighbour runs 40 steps alone after each of chat's requests there, so chat's usage
+average stays under 1 even with its long holds on a loaded machine (over its share a latency-critical
+model takes turns too, by design). Its requests carry a 236-token prompt (prefix caching
 off), so on both sides the P99 is a prefill step of a few hundred ms, not whichever 10 ms step a loaded
-machine delayed by 50; as a best-effort model of share 0.05 that prefill would wait some 19 quanta of the
-neighbour's and fire the rule. The models are larger than the last level cache (42 MB of weights against
+machine delayed by 50; as a best-effort model that prefill would wait for the neighbour's turns inside
+its steps and fire the rule. The models are larger than the last level cache (42 MB of weights against
 32 MiB here), as real models are: a model that fits in cache pays on its first step after the neighbour ran
 for the weights the neighbour evicted, a real contention the rule rightly flags, but not the one this
 window is about.
@@ -175,8 +176,8 @@ def test_a_best_effort_model_beside_a_heavier_neighbour_fires_sharing_contention
 
 def test_the_model_declared_latency_critical_is_quiet_beside_the_same_neighbour(two_models):
     got: dict = {}
-    run_in_app(traffic(got, 8, LONG_PROMPT, neighbour_after=30),
-               config({"share": 0.95, "class": "latency_critical"}, {"share": 0.05, "class": "best_effort"}),
+    run_in_app(traffic(got, 8, LONG_PROMPT, neighbour_after=40),
+               config({"share": 1.0, "class": "latency_critical"}, {"class": "best_effort"}),
                load=["chat", "batch"])
     events = got["events"]
     chat, batch = steps(events, "chat"), steps(events, "batch")
