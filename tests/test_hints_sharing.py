@@ -35,11 +35,9 @@ quantum; why a CPU cannot make it fire is in gpuservd/hints/rules_device.py.
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 
-from gpuservd.daemon.run import GIL_SWITCH_INTERVAL_S
 from gpuservd.hints.window import pct
 from inprocess_app import run_in_app
 
@@ -62,14 +60,11 @@ def deep_model_dir(tmp_path_factory):
 @pytest.fixture
 def two_models(tmp_path, monkeypatch, deep_model_dir):
     monkeypatch.setenv("GPUSERV_HOME", str(tmp_path))
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the daemon runs (run_daemon sets it)
     from gpuservd.store.store import ModelStore
 
     for name in ("chat", "batch"):
         ModelStore().import_dir(deep_model_dir, name)
-    yield tmp_path
-    sys.setswitchinterval(old)
+    return tmp_path
 
 
 def config(chat: dict, batch: dict) -> dict:
@@ -150,7 +145,7 @@ def handoffs_within(events: list[dict], step: dict) -> list[tuple[str, str]]:
 
 def test_a_best_effort_model_beside_a_heavier_neighbour_fires_sharing_contention(two_models):
     got: dict = {}
-    run_in_app(traffic(got, 5, "hello there"), config({"share": 0.2, "class": "best_effort"},
+    run_in_app(traffic(got, 8, "hello there"), config({"share": 0.2, "class": "best_effort"},
                                             {"share": 0.8, "class": "best_effort"}), load=["chat", "batch"])
     events = got["events"]
     chat, batch = steps(events, "chat"), steps(events, "batch")
