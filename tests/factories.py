@@ -100,3 +100,14 @@ def arrive_and_cancel(s, requests: list, arrivals: dict, cancel, step: int, done
             if i < len(requests) and requests[i] not in done and (requests[i] in s.running or requests[i] in s.waiting):
                 s.remove(requests[i])
                 done.append(requests[i])
+
+
+def run_requests(eng, prompts: list, params: list) -> list[list[int]]:
+    """Add prompts[i] with params[i] as request r{i}, step the engine until all finish; each one's token ids."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [got[f"r{i}"] for i in range(len(prompts))]

@@ -11,6 +11,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 from gpuservd.engine.request import SamplingParams  # noqa: E402
+from factories import run_requests  # noqa: E402
 from test_preemption import PARAMS, engine, prompts, run, swap_round_trip  # noqa: E402
 
 CUDA = "cuda:0"
@@ -139,14 +140,6 @@ def test_arbiter_yields_run_between_per_layer_graph_segments(tiny_model_dir):
     assert calls and set(calls) <= set(range(layers))  # layer indices; decode steps give layers - 1 per step
 
 
-def _drive(eng, ps, params):
-    for i, (p, sp) in enumerate(zip(ps, params)):
-        eng.add_request(f"r{i}", p, sp)
-    got = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(ps))]
 
 
 def test_device_sampling_and_overlap_through_graphs(tiny_model_dir):
@@ -158,11 +151,11 @@ def test_device_sampling_and_overlap_through_graphs(tiny_model_dir):
     fixed = _graph_engine(tiny_model_dir, enabled=False)
     fixed.runner.enable_decode_step([1, 2, 8])
     fixed.overlap = False
-    want = _drive(fixed, ps, params)
+    want = run_requests(fixed, ps, params)
     eng = _graph_engine(tiny_model_dir, batch_sizes=[1, 2, 8])
     assert eng.decode_status()["overlap"] is True and eng.overlap
-    assert _drive(eng, ps, params) == want
+    assert run_requests(eng, ps, params) == want
     assert eng.runner.decode_step.last_path == "graph" and eng.pool.num_free == eng.pool.capacity
     off = _graph_engine(tiny_model_dir, batch_sizes=[1, 2, 8])  # fresh: no prefix cache hits from the run above
     off.overlap = False
-    assert _drive(off, ps, params) == want
+    assert run_requests(off, ps, params) == want

@@ -13,6 +13,7 @@ from gpuservd.engine.request import Request, SamplingParams
 from gpuservd.runner import device_sampling
 from gpuservd.runner.batch import SeqChunk
 from gpuservd.runner.device_sampling import RowSampling, choose, stop_hits
+from factories import run_requests
 from test_decode_step import _with_step, rerun_record
 from test_preemption import engine, prompts
 
@@ -91,14 +92,6 @@ def _requests():
             SamplingParams(max_tokens=9, temperature=0.5, seed=14, **SAMPLED)]
 
 
-def _run(eng, ps, params):
-    for i, (p, sp) in enumerate(zip(ps, params)):
-        eng.add_request(f"r{i}", p, sp)
-    got = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(ps))]
 
 
 def _count_host_samples(eng, monkeypatch) -> list:
@@ -121,7 +114,7 @@ def test_engine_samples_in_the_decode_step_with_the_default_paths_tokens(tiny_mo
     from gpuservd.runner.cuda_graphs import DecodeGraphs
 
     ps = prompts(n=5, length=5)
-    want = _run(engine(tiny_model_dir), ps, _requests())
+    want = run_requests(engine(tiny_model_dir), ps, _requests())
     eng = _with_step(tiny_model_dir, [1, 2, 4, 8])
     step = eng.runner.decode_step
     if graphs:
@@ -131,7 +124,7 @@ def test_engine_samples_in_the_decode_step_with_the_default_paths_tokens(tiny_mo
     results = []
     real_run = step.run
     monkeypatch.setattr(step, "run", lambda *a, **kw: results.append(real_run(*a, **kw)) or results[-1])
-    assert _run(eng, ps, _requests()) == want
+    assert run_requests(eng, ps, _requests()) == want
     assert results and all(r.sampled for r in results)  # every decode step drew on the device
     decode_steps = sum(1 for r in eng.telemetry.recent() if r.num_decode_tokens and not r.num_prefill_tokens)
     assert len(results) == decode_steps and len(calls) == len(eng.telemetry.recent()) - decode_steps
@@ -144,13 +137,13 @@ def test_one_row_the_device_cannot_sample_sends_the_step_to_the_host(tiny_model_
     ps = prompts(n=3, length=5)
     params = _requests()[:2] + [SamplingParams(max_tokens=5, temperature=1.0, presence_penalty=0.5, seed=3,
                                                **SAMPLED)]
-    want = _run(engine(tiny_model_dir), ps, params)
+    want = run_requests(engine(tiny_model_dir), ps, params)
     eng = _with_step(tiny_model_dir, [4])
     step = eng.runner.decode_step
     results = []
     real_run = step.run
     monkeypatch.setattr(step, "run", lambda *a, **kw: results.append(real_run(*a, **kw)) or results[-1])
-    assert _run(eng, ps, params) == want
+    assert run_requests(eng, ps, params) == want
     assert results and not results[0].sampled  # the penalized row's steps: greedy in the step, drawn on the host
     assert any(r.sampled for r in results)  # once it finished, the rest drew on the device
 

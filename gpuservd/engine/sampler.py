@@ -53,7 +53,7 @@ import torch
 
 from gpuservd.engine.request import Request
 from gpuservd.runner import cpu_kernels
-from gpuservd.runner.device_sampling import inverse_cdf, uniform
+from gpuservd.runner.device_sampling import inverse_cdf, nucleus, uniform
 
 # Rows without top_k look for their top_p nucleus among this many most likely tokens first (a top-k
 # instead of a full sort of the vocabulary); a row whose nucleus is larger is sorted in full.
@@ -193,17 +193,7 @@ def _truncate(x: torch.Tensor, params: list) -> torch.Tensor:
         want = max(want, NUCLEUS_CANDIDATES)
     for k in (min(V, want), V):
         vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending: [R, k]
-        pos = torch.arange(k, device=dev).unsqueeze(0)
-        k_row = torch.where(has_k, top_k.clamp(max=k), torch.full_like(top_k, k)).unsqueeze(1)
-        vals = vals.masked_fill(pos >= k_row, neg)
-        # Probabilities renormalized over the top-k for rows with top_k, over the whole vocabulary otherwise.
-        lse = torch.where(has_k, torch.logsumexp(vals, -1), torch.logsumexp(x, -1)).unsqueeze(1)
-        sp = torch.exp(vals - lse)
-        cum = torch.cumsum(sp, dim=-1)
-        # The nucleus: the shortest prefix reaching top_p (the first token always stays). A row without
-        # top_p keeps every token: where float32's running sum reaches 1.0 before the tail, `cum - sp < 1`
-        # would drop the tail, and only when another row of the batch had asked for top_p.
-        keep = ((cum - sp < top_p.unsqueeze(1)) | ~has_p.unsqueeze(1)) & (pos < k_row)
+        vals, keep, cum = nucleus(x, vals, top_k, top_p)
         if k == V or not p_only or bool((has_k | ~has_p | (cum[:, -1] >= top_p)).all()):
             break
     out = torch.full_like(x, neg).scatter_(1, ids, vals.masked_fill(~keep, neg))

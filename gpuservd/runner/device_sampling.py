@@ -84,24 +84,35 @@ def inverse_cdf(e: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return ci * C + j
 
 
-def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """min_p, top_k and top_p over x [R, V] (after temperature) with per-row parameters (top_k int64 [R],
-    0 = off; top_p, min_p float32 [R]); dropped tokens become -inf. Fixed shape: one full sort."""
-    R, V = x.shape
-    neg = float("-inf")
-    probs = torch.softmax(x, dim=-1)
-    x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), neg)
-    vals, ids = torch.sort(x, dim=-1, descending=True)  # [R, V]
-    pos = torch.arange(V, device=x.device).unsqueeze(0)
+def nucleus(x: torch.Tensor, vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """The top_k and top_p cut over candidates `vals` [R, k]: x's k largest per row, sorted descending
+    (k may be the whole vocabulary). Returns (vals with the tokens past a row's top_k at -inf, the tokens
+    kept [R, k] bool, the running sum of their probabilities [R, k]). Shared by this sampler and the
+    host's (engine/sampler.py), so both cut the same tokens."""
+    k = vals.shape[1]
+    pos = torch.arange(k, device=vals.device).unsqueeze(0)
     has_k, has_p = top_k > 0, top_p < 1.0
-    k_row = torch.where(has_k, top_k.clamp(max=V), torch.full_like(top_k, V)).unsqueeze(1)
-    vals = vals.masked_fill(pos >= k_row, neg)
+    k_row = torch.where(has_k, top_k.clamp(max=k), torch.full_like(top_k, k)).unsqueeze(1)
+    vals = vals.masked_fill(pos >= k_row, float("-inf"))
     # Probabilities renormalized over the top-k for rows with top_k, over the whole vocabulary otherwise.
     lse = torch.where(has_k, torch.logsumexp(vals, -1), torch.logsumexp(x, -1)).unsqueeze(1)
     sp = torch.exp(vals - lse)
     cum = torch.cumsum(sp, dim=-1)
-    # The nucleus: the shortest prefix reaching top_p (the first token always stays).
+    # The nucleus: the shortest prefix reaching top_p (the first token always stays). A row without
+    # top_p keeps every token: where float32's running sum reaches 1.0 before the tail, `cum - sp < 1`
+    # would drop the tail, and only when another row of the batch had asked for top_p.
     keep = ((cum - sp < top_p.unsqueeze(1)) | ~has_p.unsqueeze(1)) & (pos < k_row)
+    return vals, keep, cum
+
+
+def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """min_p, top_k and top_p over x [R, V] (after temperature) with per-row parameters (top_k int64 [R],
+    0 = off; top_p, min_p float32 [R]); dropped tokens become -inf. Fixed shape: one full sort."""
+    neg = float("-inf")
+    probs = torch.softmax(x, dim=-1)
+    x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), neg)
+    vals, ids = torch.sort(x, dim=-1, descending=True)  # [R, V]
+    vals, keep, _ = nucleus(x, vals, top_k, top_p)
     return torch.full_like(x, neg).scatter_(1, ids, vals.masked_fill(~keep, neg))
 
 
