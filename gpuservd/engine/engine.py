@@ -13,9 +13,8 @@ import torch
 
 from gpuservd.background import in_background
 from gpuservd.config import EngineConfig
-from gpuservd.engine import detokenizer, offline, overlap, prompt_logprobs, step_rows
+from gpuservd.engine import detokenizer, offline, overlap, preemption, prompt_logprobs, step_rows
 from gpuservd.engine.grammar import Grammars
-from gpuservd.engine import preemption
 from gpuservd.engine.preemption import Granularity
 from gpuservd.engine.quota import TenantQuota
 from gpuservd.engine.request import FinishReason, Request, RequestOutput, RequestState, SamplingParams
