@@ -25,7 +25,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpuservd.paths import client_socket_path  # noqa: E402  (after the path: runs from a checkout)
+from gpuservd.bench.proc_tree import rss_bytes  # noqa: E402  (after the path: runs from a checkout)
+from gpuservd.paths import client_socket_path  # noqa: E402
 
 
 def daemon_pid(path: str) -> int:
@@ -37,10 +38,7 @@ def daemon_pid(path: str) -> int:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return rss_bytes([pid]) / 2**20
 
 
 def main() -> int:

@@ -17,6 +17,8 @@ import logging
 import os
 from typing import Callable
 
+from gpuservd.api.apierror import APIError
+
 log = logging.getLogger("gpuservd.api")
 
 CONFIG_KEY = "server.max_connections_per_user"
@@ -64,10 +66,11 @@ class PeerConnections:
 
     def refusal(self, key: str) -> bytes:
         """The whole HTTP response for a connection over the limit (OpenAI-shaped error body)."""
-        body = json.dumps({"error": {
-            "message": f"{key} already has {self.open.get(key, 0)} connections open to this daemon, the limit "
-                       f"({CONFIG_KEY}); close some or reuse them (keep-alive)",
-            "type": "rate_limit_error", "param": None, "code": "too_many_connections"}}).encode()
-        head = (f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-                "retry-after: 1\r\nconnection: close\r\n\r\n")
+        err = APIError(429, f"{key} already has {self.open.get(key, 0)} connections open to this daemon, the limit "
+                            f"({CONFIG_KEY}); close some or reuse them (keep-alive)", "rate_limit_error", None,
+                       "too_many_connections", {"Retry-After": "1"})
+        body = json.dumps(err.body()).encode()
+        extra = "".join(f"{k.lower()}: {v}\r\n" for k, v in err.headers.items())
+        head = (f"HTTP/1.1 {err.status} Too Many Requests\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n")
         return head.encode() + body
