@@ -111,7 +111,7 @@ class DaemonProcess:
             cmd += ["--socket", str(self.socket)]
         cmd += args or []
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(["nice", "-n", "19"] + cmd, cwd=ROOT, env=e, stdout=self._log,
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=self._log,
                                      stderr=subprocess.STDOUT, pass_fds=pass_fds)
 
     def write_config(self, extra: dict) -> None:

@@ -22,15 +22,23 @@ import pytest
 from daemon_harness import PYTHON, ROOT, DaemonProcess, make_home, wait_until
 
 
+# SIGTERM's drain: the short request must end inside the drain timeout (it needs over SHORT / 6 tokens a
+# second) and the long one must not (it would need over LONG / 6), whatever the machine's load; the context
+# and the KV cache are sized for the long one.
+DRAIN_S = 6.0
+SHORT, LONG = 100, 30000
+CONFIG = {"server": {"drain_timeout": DRAIN_S}, "engine": {"kv_cache_bytes": "32MiB"}}
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory, tiny_model_dir):
-    return make_home(tmp_path_factory.mktemp("lifecycle-home"), tiny_model_dir, context=4096)
+    return make_home(tmp_path_factory.mktemp("lifecycle-home"), tiny_model_dir, context=LONG + 64)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, home):
     tmp = tmp_path_factory.mktemp("lifecycle")
-    d = DaemonProcess(tmp, home, config={"server": {"drain_timeout": 3.0}}, env={"WATCHDOG_USEC": "300000"})
+    d = DaemonProcess(tmp, home, config=CONFIG, env={"WATCHDOG_USEC": "300000"})
     try:
         d.wait_ready()
         yield d
@@ -88,7 +96,7 @@ def test_ready_status_and_watchdog_through_notify_socket(daemon):
 
 def test_sighup_reloads_config_without_dropping_a_request(daemon):
     stream = Stream(daemon, 300)
-    daemon.write_config({"server": {"drain_timeout": 3.0, "max_queued_per_model": 3}})
+    daemon.write_config({**CONFIG, "server": {**CONFIG["server"], "max_queued_per_model": 3}})
     readies = daemon.notify.count("READY=1")
     daemon.signal(signal.SIGHUP)
     wait_until(lambda: daemon.status()["limits"]["max_queued_per_model"] == 3, 10, what="reload")
@@ -110,8 +118,8 @@ def test_a_second_daemon_on_the_same_socket_is_refused(daemon, home):
 
 
 def test_sigterm_drains_then_exits_0(daemon):
-    long = Stream(daemon, 4000)  # milliseconds a step: far past the drain timeout
-    short = Stream(daemon, 150)  # well inside it
+    long = Stream(daemon, LONG)  # far past the drain timeout at any speed this engine reaches
+    short = Stream(daemon, SHORT)  # well inside it, on a loaded machine too
     assert long.chunks >= 1 and long.finish is None
     daemon.signal(signal.SIGTERM)
     daemon.notify.wait_for("STOPPING=1", 10)
@@ -123,7 +131,7 @@ def test_sigterm_drains_then_exits_0(daemon):
     short.join()
     long.join()
     assert short.finish == "length" and short.done_marker
-    assert long.finish == "abort" and long.done_marker and long.chunks < 4000
+    assert long.finish == "abort" and long.done_marker and long.chunks < LONG
     assert not daemon.socket.exists()
     assert "drained: 1 finished, 1 aborted" in daemon.log
 

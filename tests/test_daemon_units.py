@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -185,6 +187,63 @@ def test_notifier_sends_datagrams(tmp_path, monkeypatch):
     t0 = time.monotonic()
     sent = [n.watchdog() for _ in range(5000)]
     assert time.monotonic() - t0 < 5 and not all(sent)
+
+
+def _fill(n: Notifier) -> int:
+    """Watchdog pings until the receiver's queue has no room; returns how many went in."""
+    count = 0
+    while n.watchdog():
+        count += 1
+    return count
+
+
+def _read_all(listener) -> list[str]:
+    got = []
+    listener.setblocking(False)
+    try:
+        while True:
+            got.append(listener.recv(1024).decode())
+    except BlockingIOError:
+        return got
+
+
+def test_notifier_keeps_state_messages_the_receiver_had_no_room_for(tmp_path):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "n.sock"))
+    n = Notifier(str(tmp_path / "n.sock"))
+    queued = _fill(n)
+    assert queued >= 1
+    assert n.stopping("bye") is False and n.reloading() is False and n.num_pending == 2
+    assert n.watchdog() is False  # still full: a ping is dropped, not kept
+    got = _read_all(listener)
+    assert got == ["WATCHDOG=1"] * queued  # nothing got past the full queue
+    assert n.flush() and n.num_pending == 0
+    got = _read_all(listener)
+    assert got[0] == "STOPPING=1\nSTATUS=bye" and got[1].startswith("RELOADING=1\n") and len(got) == 2
+
+    # from the event loop: offered again on its own once the receiver reads
+    async def main():
+        _fill(n)
+        assert n.ready("up") is False
+        reader = threading.Thread(target=lambda: received.extend(_read_all(listener)))
+        reader.start()
+        reader.join()
+        for _ in range(3000):  # the retry timer's work, however slow this machine is right now
+            if not n.num_pending:
+                break
+            await asyncio.sleep(0.01)
+        return n.num_pending
+
+    received: list[str] = []
+    assert asyncio.run(main()) == 0
+    assert any(m.startswith("READY=1\nSTATUS=up") for m in received + _read_all(listener))
+
+    # at exit (no event loop left to retry): close() offers it once more
+    _fill(n)
+    assert n.stopping("last") is False
+    received += _read_all(listener)
+    n.close()
+    assert "STOPPING=1\nSTATUS=last" in received + _read_all(listener) and n.num_pending == 0
 
 
 def test_watchdog_interval_and_listen_fds_env(monkeypatch):

@@ -9,6 +9,7 @@ No-ops when not run by systemd. No dependency on the systemd Python package.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -18,9 +19,21 @@ log = logging.getLogger("gpuservd.systemd")
 
 SD_LISTEN_FDS_START = 3
 
+# Messages that change the unit's state in systemd's eyes: losing one leaves systemd waiting (READY=1 after
+# RELOADING=1) or unaware that the stop began. A WATCHDOG=1 or a bare STATUS= can be dropped; the next replaces it.
+STATE_FIELDS = ("READY", "STOPPING", "RELOADING")
+RETRY_S = 0.05  # how often a state message the receiver had no room for is offered again
+CLOSE_TIMEOUT_S = 1.0  # at exit, how long a state message still waiting may block
+
 
 class Notifier:
-    """Sends sd_notify messages; silent when $NOTIFY_SOCKET is unset."""
+    """Sends sd_notify messages; silent when $NOTIFY_SOCKET is unset.
+
+    Sends never block the event loop. When the receiver's queue is full (it holds only
+    net.unix.max_dgram_qlen datagrams), a WATCHDOG=1 or STATUS= is dropped, but a state message
+    (READY, STOPPING, RELOADING) waits in order and is offered again every RETRY_S from the running
+    event loop, and once more, blocking briefly, at close().
+    """
 
     def __init__(self, address: str | None = None):
         address = address if address is not None else os.environ.get("NOTIFY_SOCKET", "")
@@ -28,26 +41,60 @@ class Notifier:
             address = "\0" + address[1:]
         self.address = address or None
         self._sock: socket.socket | None = None
+        self._pending: list[bytes] = []  # state messages the receiver had no room for, oldest first
+        self._retry: asyncio.TimerHandle | None = None
         if self.address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            # Never block the event loop: if the receiver stops reading, a message is dropped.
             self._sock.setblocking(False)
 
     @property
     def enabled(self) -> bool:
         return self._sock is not None
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
     def send(self, **fields) -> bool:
-        """notify(READY=1, STATUS="...") -> b"READY=1\\nSTATUS=..."; False when not sent."""
+        """notify(READY=1, STATUS="...") -> b"READY=1\\nSTATUS=..."; False when not sent (yet)."""
         if self._sock is None:
             return False
         msg = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
+        if not any(k in fields for k in STATE_FIELDS):
+            return self._sendto(msg)
+        self._pending.append(msg)
+        if self.flush():
+            return True
+        self._schedule_retry()
+        return False
+
+    def flush(self) -> bool:
+        """Offer the waiting state messages again, in order; True when none is left waiting."""
+        while self._pending and self._sock is not None and self._sendto(self._pending[0]):
+            self._pending.pop(0)
+        return not self._pending
+
+    def _sendto(self, msg: bytes) -> bool:
         try:
             self._sock.sendto(msg, self.address)
             return True
-        except OSError as exc:  # systemd gone or its queue full: never fatal, never blocking
+        except OSError as exc:  # the receiver's queue is full, or systemd is gone: never fatal, never blocking
             log.debug("sd_notify failed: %s", exc)
             return False
+
+    def _schedule_retry(self) -> None:
+        if self._retry is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop: the caller's next send or close() offers it again
+            return
+        self._retry = loop.call_later(RETRY_S, self._on_retry)
+
+    def _on_retry(self) -> None:
+        self._retry = None
+        if not self.flush():
+            self._schedule_retry()
 
     def ready(self, status: str) -> bool:
         return self.send(READY=1, STATUS=status, MAINPID=os.getpid())
@@ -65,7 +112,15 @@ class Notifier:
         return self.send(WATCHDOG=1)
 
     def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self._sock is not None:
+            if self._pending:  # the process is about to exit: wait a little for room rather than lose them
+                self._sock.settimeout(CLOSE_TIMEOUT_S)
+                self.flush()
+                if self._pending:
+                    log.warning("sd_notify: %d state message(s) never delivered", len(self._pending))
             self._sock.close()
             self._sock = None
 
