@@ -140,16 +140,18 @@ def step_case(runner: ModelRunner, batch: int, ctx: int, steps: int, rounds: int
             "torch_ms": round(t_ms, 2), "speedup": round(t_ms / k_ms, 2)}
 
 
-def bench_command_line(doc: str, reps: int, render) -> argparse.Namespace | None:
+def bench_command_line(doc: str, reps: int, render, extra=None) -> argparse.Namespace | None:
     """The A/B scripts' shared command line: --out DIR, --render DIR (rewrites DIR/result.md from
-    DIR/result.json with render(result) and returns None), --reps, --model, --quick. Also checks
-    that the C++ kernels load (exits if not)."""
+    DIR/result.json with render(result) and returns None), --reps, --model, --quick, and what
+    extra(parser) adds. Also checks that the C++ kernels load (exits if not)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", type=Path, help="where to write result.json and result.md")
     ap.add_argument("--render", type=Path, help="only rewrite DIR/result.md from DIR/result.json")
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions (a smoke run)")
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args()
     if args.render:
         (args.render / "result.md").write_text(render(json.loads((args.render / "result.json").read_text())))

@@ -83,10 +83,11 @@ def test_empty_and_bad_input(ops):
 
 @pytest.mark.parametrize("use_onednn", [False, True])
 def test_linear_routes_rows_and_keeps_one_dense_weight(ops, use_onednn):
+    """The dense layout (GPUSERV_PACKED_WEIGHTS=0; fp32 takes column panels by default, test_packed_gemm_f32.py)."""
     if use_onednn and not onednn_available(torch.device("cpu"), torch.float32):
         pytest.skip("torch built without oneDNN")
     w, b = torch.randn(48, 40), torch.randn(48)
-    lin = Linear(w, b, use_onednn=use_onednn)
+    lin = Linear(w, b, use_onednn=use_onednn, use_packed=False)
     assert lin.gemv and lin.weight is w and lin.bias is b and lin.onednn == use_onednn
     assert lin.nbytes == (48 * 40 + 48) * 4
     for rows in (1, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 65, 100):
@@ -96,7 +97,7 @@ def test_linear_routes_rows_and_keeps_one_dense_weight(ops, use_onednn):
 
 def test_linear_without_the_kernel_uses_torch():
     w = torch.randn(12, 8)
-    lin = Linear(w, None, use_gemv=False)
+    lin = Linear(w, None, use_gemv=False, use_packed=False)
     assert not lin.gemv
     x = torch.randn(3, 8)
     torch.testing.assert_close(lin(x), F.linear(x, w))

@@ -102,8 +102,8 @@ def test_linear_holds_one_packed_copy_and_serves_every_row_count(pk, monkeypatch
     assert calls == [1, 64, 65, 300]
     x3 = torch.randn(2, 3, 40).bfloat16()  # leading dims are flattened and restored
     torch.testing.assert_close(lin(x3).float(), _ref(x3, w, b), atol=0.05, rtol=8e-3)
-    # fp32 and the switch keep the dense layout
-    assert Linear(w.float(), b.float()).packed is None
+    # fp32 takes column panels instead (test_packed_gemm_f32.py); the switch keeps the dense layout
+    assert Linear(w.float(), b.float()).panels
     monkeypatch.setenv("GPUSERV_PACKED_WEIGHTS", "0")
     assert not packed_enabled(torch.device("cpu"), torch.bfloat16)
     assert Linear(w, b).packed is None

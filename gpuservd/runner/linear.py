@@ -1,32 +1,41 @@
 """Linear layers, with the fastest kernel the device offers.
 
-One copy of each weight, dense [out, in] as the checkpoint stores it, serves
-both kinds of call on the CPU:
+fp32 on the CPU (the engine's default there): the one copy of each weight is
+repacked at load into column panels ([out/16][in][16], csrc/packed_gemm_f32.cpp
+explains the layout) and every row count goes to `packed_linear_f32`, an
+outer-product kernel (6 x 16 register tiles on AVX2, 12 x 16 with AVX-512VL's
+32 registers) with no per-output reductions. On the 2-core AVX2 EPYC, over
+SmolLM2's four layer shapes with W streamed from DRAM, it beat the dense-layout
+paths it replaced at every measured row count (1 thread, process CPU time, the
+machine shared; MEASURE-gemm22.md has the commands): level with gemv at 1 row
+(both stream W at DRAM speed), 1.1-1.2x gemv at 8, 1.5-1.7x gemv and 1.3-1.6x
+oneDNN at 16-64, level with oneDNN (which reorders W on every call) at 256.
+Since it is as fast or faster everywhere, the packed copy is the only copy:
+keeping the dense one as well for gemv / oneDNN would double the model's memory.
+`rows(ids)` reads dense rows back out of the panels, so a tied embedding and LM
+head stay one tensor.
+
+The dense layout, W [out, in] as the checkpoint stores it, serves everything
+else, and fp32 under `GPUSERV_PACKED_WEIGHTS=0` (the A/B reference):
 - decode-sized row counts (<= GEMV_MAX_ROWS) go to the C++ kernel `gemv`
-  (csrc/gemv.cpp), which streams W once at close to memory bandwidth: at
-  batch 1 a matmul is a pass over its weights, and oneDNN's inner product
-  reached ~18 GB/s of the machine's ~30-45; in bf16 on a CPU with
-  AVX512_BF16 the kernel's dot-product path takes up to GEMV_MAX_ROWS_BF16_DP;
+  (csrc/gemv.cpp), a dot-product kernel that streams W once: at batch 1 a
+  matmul is a pass over its weights; in bf16 on a CPU with AVX512_BF16 the
+  kernel's dot-product path takes up to GEMV_MAX_ROWS_BF16_DP;
 - larger row counts (prefill chunks, big decode batches) go to oneDNN's inner
   product on the same dense weight (within ~5% of oneDNN with its own reordered
   weight from 64 rows up, measured; `F.linear`/MKL was 10-25% slower).
-Keeping the oneDNN-reordered weight as well would double the model's memory;
-keeping only that one would leave the GEMV nothing it could stream, and would
-need a second copy of a tied embedding for the LM head (113 MB on SmolLM2).
 Without oneDNN (CUDA, or a torch built without it) `F.linear` takes the rows
 the kernel does not; without the C++ kernels (GPUSERV_CPU_KERNELS=0, no
-compiler) everything goes to oneDNN / `F.linear`.
+compiler) everything goes to oneDNN / `F.linear` on the dense weight.
 
-bf16 on a CPU with AVX512_BF16 is the exception: there the one copy is the
-weight repacked into pair panels (csrc/packed_gemm.cpp explains the layout)
-and every row count goes to `packed_linear`, an outer-product kernel with no
-per-output reductions. Over 30 layers of SmolLM2 shapes (2 threads) it ran
-1.28x faster than the dense dot-product gemv at 32 and at 64 rows, as fast
-or faster at 1-16 rows (both stream W at DRAM speed at 1), and 1.03-1.17x
-faster than oneDNN's bf16 matmul on the dense weight at 128-512 rows; see
-bench/results/2026-11-29-cpu-packed-gemm. `rows(ids)` reads dense rows back
-out of the packed copy, so a tied embedding and LM head stay one tensor.
-`GPUSERV_PACKED_WEIGHTS=0` keeps the dense layout (the A/B reference).
+bf16 on a CPU with AVX512_BF16 is packed too: the one copy is the weight in
+pair panels (csrc/packed_gemm.cpp) and every row count goes to `packed_linear`,
+whose vdpbf16ps outer products multiply bf16 pairs. Over 30 layers of SmolLM2
+shapes (2 threads) it ran 1.28x faster than the dense dot-product gemv at 32
+and at 64 rows, as fast or faster at 1-16 rows, and 1.03-1.17x faster than
+oneDNN's bf16 matmul on the dense weight at 128-512 rows; see
+bench/results/2026-11-29-cpu-packed-gemm. bf16 without AVX512_BF16, fp16, and
+CUDA keep the dense layout.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ GEMV_MAX_ROWS = 32
 # (bench/results/2026-11-29-cpu-dtype).
 GEMV_MAX_ROWS_BF16_DP = 64
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PANEL = 16  # output columns per panel of the packed layout (fp32 lanes of one AVX-512 register)
+PANEL = 16  # output columns per panel of both packed layouts (fp32 lanes of one AVX-512 register)
 PACKED_SWITCH = "GPUSERV_PACKED_WEIGHTS"
 
 
@@ -77,14 +86,35 @@ def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.view(p, k2, PANEL, 2).permute(0, 2, 1, 3).reshape(p * PANEL, 2 * k2)[:n, :k]
 
 
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] fp32 -> column panels [ceil(N/16), K, 16]: packed[p][k][j] = W[16p + j][k], zero padded
+    (csrc/packed_gemm_f32.cpp)."""
+    n, k = w.shape
+    p = -(-n // PANEL)
+    if n % PANEL:
+        w = torch.nn.functional.pad(w, (0, 0, 0, p * PANEL - n))
+    return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The dense W [n, k] a column-panel tensor holds."""
+    p = packed.shape[0]
+    return packed.transpose(1, 2).reshape(p * PANEL, k)[:n]
+
+
 def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether bf16 weights on this device are held in pair panels for the packed kernel."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """Whether weights of this dtype on this device are held packed: bf16 in pair panels (a CPU with
+    AVX512_BF16), fp32 in column panels (any CPU the C++ kernels built on)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if os.environ.get(PACKED_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     ops = cpu_kernels.get()
-    return bool(ops is not None and hasattr(ops, "packed_available") and ops.packed_available())
+    if ops is None:
+        return False
+    if dtype == torch.float32:
+        return hasattr(ops, "packed_linear_f32")
+    return bool(hasattr(ops, "packed_available") and ops.packed_available())
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -98,8 +128,8 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Linear:
     """y = x @ W^T + b for x [T, in]; W [out, in] as stored in the checkpoint (kept as given,
-    so a tied LM head shares the embedding's storage), or repacked in pair panels (bf16 on
-    AVX512_BF16; `weight` is then None and `rows` / `dense` read it back)."""
+    so a tied LM head shares the embedding's storage), or repacked (fp32 in column panels, bf16
+    on AVX512_BF16 in pair panels; `weight` is then None and `rows` / `dense` read it back)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = False,
                  use_gemv: bool | None = None, use_packed: bool | None = None):
@@ -107,7 +137,10 @@ class Linear:
         self.bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
         if use_packed is None:
             use_packed = packed_enabled(weight.device, weight.dtype)
-        self.packed = pack_pairs(weight) if use_packed else None
+        self.packed = None
+        self.panels = use_packed and weight.dtype == torch.float32  # fp32 column panels, else bf16 pairs
+        if use_packed:
+            self.packed = pack_panels(weight) if self.panels else pack_pairs(weight)
         self._row_offsets = None  # rows(): where each input column of a row lies in the packed layout
         self.weight = None if use_packed else (weight if weight.is_contiguous() else weight.contiguous())
         held = self.packed if use_packed else self.weight
@@ -130,25 +163,30 @@ class Linear:
         """W [out, in] (a copy when packed)."""
         if self.packed is None:
             return self.weight
+        if self.panels:
+            return unpack_panels(self.packed, self.out_features, self.in_features)
         return unpack_pairs(self.packed, self.out_features, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [len(ids), in]: an embedding lookup on the (tied) weight, whatever its layout."""
         if self.packed is None:
             return self.weight.index_select(0, ids)
-        # Element (n, c) lies at flat ((n // 16) * k2 + c // 2) * 32 + (n % 16) * 2 + c % 2: one gather
-        # (advanced indexing on the 4-D view took 1.4 ms for 32 ids, this ~0.02 ms).
+        # One gather (advanced indexing on the 4-D view took 1.4 ms for 32 ids, this ~0.02 ms).
+        # Column panels: element (n, c) lies at flat ((n // 16) * in + c) * 16 + n % 16.
+        # Pair panels: at ((n // 16) * k2 + c // 2) * 32 + (n % 16) * 2 + c % 2.
         if self._row_offsets is None:
             c = torch.arange(self.in_features, device=self.packed.device)
-            self._row_offsets = (c // 2) * (2 * PANEL) + c % 2
-        k2 = self.packed.shape[1]
-        base = (ids // PANEL) * (k2 * 2 * PANEL) + (ids % PANEL) * 2
+            self._row_offsets = c * PANEL if self.panels else (c // 2) * (2 * PANEL) + c % 2
+        if self.panels:
+            base = (ids // PANEL) * (self.in_features * PANEL) + ids % PANEL
+        else:
+            base = (ids // PANEL) * (self.packed.shape[1] * 2 * PANEL) + (ids % PANEL) * 2
         return torch.take(self.packed, base[:, None] + self._row_offsets[None, :])
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
-        """y in fp32, for the LM head's logits: the packed kernel returns its fp32 accumulators
+        """y in fp32, for the LM head's logits: the packed bf16 kernel returns its fp32 accumulators
         unrounded (a bf16 rounding of SmolLM2's logits turned a 0.08 lead into an exact tie)."""
-        if self.packed is not None and x.dim() == 2:
+        if self.packed is not None and not self.panels and x.dim() == 2:
             return self._ops.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), self.packed,
                                            self.out_features, self.bias, True)
         return self(x).float()
@@ -158,8 +196,10 @@ class Linear:
         if self.packed is not None:
             if x.dim() != 2:
                 return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-            return self._ops.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), self.packed,
-                                           self.out_features, self.bias)
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            if self.panels:
+                return self._ops.packed_linear_f32(x, self.packed, self.out_features, self.bias)
+            return self._ops.packed_linear(x, self.packed, self.out_features, self.bias)
         if self._gemv is not None and rows <= self.gemv_max_rows and x.dim() == 2:
             return self._gemv.gemv(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         if self.onednn:

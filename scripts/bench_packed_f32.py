@@ -1,0 +1,153 @@
+"""Same-process A/B of the packed fp32 kernel (column panels) against the dense layout, SmolLM2 in fp32.
+
+1. Matmuls, per shape: SmolLM2's four layer matmuls (qkv 576->960, o_proj 576->576, gate_up
+   576->3072, down 1536->576), each cycled over >= 256 MB of distinct random copies (so W streams
+   from DRAM, as in a decode step), at several row counts:
+   - packed: `ops.packed_linear_f32` on the panel weight (what Linear runs for fp32 now),
+   - gemv: the dense dot-product kernel (what Linear ran for <= 32 rows before),
+   - onednn: oneDNN's inner product on the dense weight (Linear's path above 32 rows before),
+   - f_linear: `F.linear` (MKL).
+   Variants alternate (order flipped every repetition); the best repetition is kept.
+2. Whole decode steps of SmolLM2 in fp32 (ModelRunner.execute) at 1/8/24/48 sequences: the packed
+   Linears (layers and the tied LM head) against the dense ones the engine ran before
+   (GPUSERV_PACKED_WEIGHTS=0: gemv up to 32 rows, oneDNN above), alternating blocks of steps; medians.
+
+--threads 1 times with process CPU time (fair on a loaded machine), 2+ with wall time.
+
+    .venv/bin/python scripts/bench_packed_f32.py --out bench/results/DATE-cpu-packed-f32 --threads 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gpuservd.bench.floor import ForeignLoad
+from gpuservd.bench.output import write_result
+from gpuservd.paths import models_root
+from gpuservd.runner import cpu_kernels
+from gpuservd.runner.linear import Linear, onednn_available, pack_panels
+from gpuservd.runner.model_runner import ModelRunner
+
+from bench_cpu_kernels import ab_decode_steps, bench_command_line  # scripts/ is on sys.path when run as a script
+from bench_packed import _swap_linears
+
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+STREAM_BYTES = 256 << 20  # distinct copies per shape: more than the caches hold
+ROWS = (1, 8, 16, 24, 32, 48, 64, 256)
+
+
+def shape_cases(name: str, rows_list, reps: int, clock) -> list[dict]:
+    ops = cpu_kernels.get()
+    n, k = SHAPES[name]
+    g = torch.Generator().manual_seed(n + k)
+    copies = -(-STREAM_BYTES // (n * k * 4))
+    dense = [torch.randn(n, k, generator=g) / 8 for _ in range(copies)]
+    packed = [pack_panels(w) for w in dense]
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=g) / 8
+        variants = {
+            "packed": lambda: [ops.packed_linear_f32(x, w, n, None) for w in packed],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in dense],
+            "f_linear": lambda: [F.linear(x, w) for w in dense],
+        }
+        if rows <= 64:
+            variants["gemv"] = lambda: [ops.gemv(x, w, None) for w in dense]
+        best = {v: float("inf") for v in variants}
+        names = list(variants)
+        with torch.inference_mode():
+            for r in range(reps + 1):
+                for v in names if r % 2 else names[::-1]:
+                    t0 = clock()
+                    variants[v]()
+                    if r:  # repetition 0 warms up
+                        best[v] = min(best[v], clock() - t0)
+        case = {"shape": name, "rows": rows, "copies": copies}
+        for v, t in best.items():
+            case[f"{v}_gflops"] = round(2 * rows * n * k * copies / t / 1e9, 1)
+        out.append(case)
+        print(json.dumps(case), flush=True)
+    return out
+
+
+def decode_steps(args, threads: int) -> dict:
+    runner = ModelRunner(models_root() / args.model, "float32", "cpu", 16, 512 << 20, 4 << 30, 0.5, 4096)
+    w = runner.model.weights
+    if not w.lm_head.panels:
+        raise SystemExit("the model did not load into fp32 panels (GPUSERV_PACKED_WEIGHTS=0?)")
+    onednn = onednn_available(torch.device("cpu"), torch.float32)
+    new = [getattr(lw, f) for lw in w.layers for f in ("qkv", "o_proj", "gate_up", "down")]
+    old = [Linear(lin.dense().contiguous(), lin.bias, onednn, use_packed=False) for lin in new]
+    heads = {"packed": w.lm_head, "dense": Linear(w.lm_head.dense().contiguous(), None, onednn, use_packed=False)}
+    to_old = {id(a): b for a, b in zip(new, old)}
+    to_new = {id(b): a for a, b in zip(new, old)}
+    state = {"mode": "packed"}
+
+    def go(mode):
+        if state["mode"] != mode:
+            _swap_linears(w, to_old if mode == "dense" else to_new)
+            w.lm_head = heads[mode]  # embedding rows follow: embed is None, rows() reads either layout
+            state["mode"] = mode
+
+    steps = []
+    for batch in ((1, 48) if args.quick else (1, 8, 24, 48)):
+        times = ab_decode_steps(runner, batch, 50, 4 if args.quick else 8, 2 if args.quick else 4, threads,
+                                {"packed": lambda: go("packed"), "dense": lambda: go("dense")})
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        steps.append({"batch": batch, "ctx": 50, "packed_ms": round(med["packed"], 2),
+                      "dense_ms": round(med["dense"], 2), "speedup": round(med["dense"] / med["packed"], 2)})
+        print(json.dumps(steps[-1]), flush=True)
+    return {"model": args.model, "dtype": "float32", "cases": steps}
+
+
+def main():
+    args = bench_command_line(__doc__, 5, render_md, lambda ap: ap.add_argument("--threads", type=int, default=2))
+    if args is None:
+        return
+    if not hasattr(cpu_kernels.get(), "packed_linear_f32"):
+        raise SystemExit("the kernels lack packed_linear_f32")
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.threads > 1 else time.process_time
+    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared",
+              "torch": torch.__version__, "threads": args.threads,
+              "clock": "wall" if args.threads > 1 else "process_cpu"}
+    load = ForeignLoad()
+    with load:
+        rows = (1, 8, 32, 256) if args.quick else ROWS
+        result["matmul"] = [c for name in SHAPES for c in shape_cases(name, rows, 2 if args.quick else args.reps, clock)]
+        if (models_root() / args.model / "config.json").exists():
+            result["decode_step"] = decode_steps(args, args.threads)
+    result["foreign_cpu_share"] = load.share
+    write_result(args.out, result, render_md(result))
+
+
+def render_md(result: dict) -> str:
+    share = result.get("foreign_cpu_share")
+    md = ["# Packed fp32 kernel (column panels) vs the dense layout, SmolLM2 shapes (same process, alternating)", "",
+          f"{result['when']}, {result['machine']}, torch {result['torch']}, {result['threads']} thread(s), "
+          f"{result['clock']} time; other processes used {'?' if share is None else f'{100 * share:.0f}%'} of the "
+          "machine's CPU while it ran.", ""]
+    if result.get("decode_step"):
+        md += ["## Whole decode step, fp32, context 50 (medians)", "",
+               "| batch | packed ms | dense (gemv <= 32 rows / oneDNN) ms | speedup |", "|---|---|---|---|"]
+        md += [f"| {s['batch']} | {s['packed_ms']} | {s['dense_ms']} | {s['speedup']}x |"
+               for s in result["decode_step"]["cases"]]
+        md.append("")
+    md += ["## GFLOP/s per matmul shape, W cycled over >= 256 MB of copies (best of the repetitions)", "",
+           "| shape | rows | packed | gemv | oneDNN | F.linear |", "|---|---|---|---|---|---|"]
+    for c in result["matmul"]:
+        cells = [str(c.get(f"{k}_gflops", "-")) for k in ("packed", "gemv", "onednn", "f_linear")]
+        md.append(f"| {c['shape']} | {c['rows']} | " + " | ".join(cells) + " |")
+    return "\n".join(md) + "\n"
+
+
+if __name__ == "__main__":
+    main()
