@@ -105,8 +105,10 @@ def test_a_memory_quota_caps_the_models_own_kv_and_a_lowered_one_moves_its_reque
             new.models["tiny"].memory_quota_bytes = q["weights"] + q["activations"] + q["overhead"] + blocks * per_block
             return new
 
+        applied = []  # the engine threads' futures for what a reconfigure hands them
+
         def on_engine(model, fn):
-            serving.slots[model].loop.call(fn)
+            applied.append(serving.slots[model].loop.call(fn))
 
         # long requests in flight on tiny; the engine is held at a step boundary once they hold twice the new
         # cap, the quota drops (a reload), and the engine goes on: no timing involved
@@ -132,8 +134,10 @@ def test_a_memory_quota_caps_the_models_own_kv_and_a_lowered_one_moves_its_reque
         assert eng.pool.capacity == cap and other.pool.capacity == other.pool.num_blocks
         assert eng.pool.num_used == 0 and other.pool.num_used == 0
         # a quota too small for a request: a clear error naming the setting, and the daemon serves on
+        applied.clear()
         serving.sharing.reconfigure(quota(5), on_engine)
-        await asyncio.sleep(0.05)
+        assert applied
+        await asyncio.to_thread(lambda: [f.result(60) for f in applied])  # the engine has the new cap
         r = await client.post("/v1/completions", json={**BODY, "model": "tiny", "max_tokens": 40})
         assert r.status_code == 400 and "memory quota allows 5" in r.json()["error"]["message"]
         assert "sharing.models.tiny.memory_quota_bytes" in r.json()["error"]["message"]
