@@ -55,3 +55,12 @@ def store_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
 
     ModelStore().import_dir(tiny_model_dir, "tiny")
     return tmp_path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_daemons():
+    """Daemons whose teardown left their interpreter's exit running beside the next tests: waited for here."""
+    yield
+    import daemon_harness
+
+    daemon_harness.reap()

@@ -118,6 +118,11 @@ class DaemonProcess:
         self.config = deep_merge(BASE_CONFIG, extra)
         self.config_path.write_text(yaml.safe_dump(self.config))
 
+    def _logged_stopped(self) -> bool:
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, self.log_path.stat().st_size - 4096))
+            return b"INFO gpuservd: stopped" in f.read()
+
     @property
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -163,9 +168,23 @@ class DaemonProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.stop(wait_exit=False)
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = 30.0, wait_exit: bool = True) -> int | None:
+        """SIGTERM, then wait for the exit (killing it after timeout); its exit code.
+
+        wait_exit=False (a fixture's teardown, where the code is not looked at) waits only until the
+        daemon has logged "stopped" (drained, engines stopped, socket removed) and leaves its interpreter's
+        own finalization (a second or so of garbage collection over torch's objects) to run beside the
+        next test; `reap()` waits for it at the end of the session.
+        """
+        if not wait_exit and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and not self._logged_stopped() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            _exiting.append(self)
+            return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -177,6 +196,15 @@ class DaemonProcess:
         if self.notify:
             self.notify.close()
         return self.proc.returncode
+
+
+_exiting: list[DaemonProcess] = []  # stopped with wait_exit=False; their exits not yet waited for
+
+
+def reap(timeout: float = 30.0) -> None:
+    """Wait for the daemons that were stopped without waiting for their exit (kill any that outlive timeout)."""
+    while _exiting:
+        _exiting.pop().stop(timeout)
 
 
 def free_port() -> int:

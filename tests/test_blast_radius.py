@@ -104,7 +104,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_a_failing_row_beside_running_streams_fails_alone(daemon):

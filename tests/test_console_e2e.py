@@ -43,7 +43,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def in_flight(daemon) -> list[dict]:

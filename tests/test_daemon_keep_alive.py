@@ -36,7 +36,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         threading.Thread(target=read, daemon=True).start()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def ask(d, model, **extra):
@@ -120,7 +120,7 @@ def full(tmp_path_factory, tiny_model_dir):
         d.wait_ready(600)
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_a_requests_keep_alive_holds_its_model_against_eviction(full):

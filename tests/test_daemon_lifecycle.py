@@ -43,7 +43,7 @@ def daemon(tmp_path_factory, home):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 class Stream:

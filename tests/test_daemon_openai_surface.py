@@ -35,7 +35,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +236,7 @@ def test_smollm2_json_schemas_and_a_tool_call(tmp_path_factory, real_store_home)
                             {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name])
         c.close()
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_client_leaving_an_n_stream_mid_grammar_frees_every_choice(daemon):

@@ -31,7 +31,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_short_request_displaces_long_one_and_everyone_finishes(daemon):

@@ -21,7 +21,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def _metric(text: str, name: str) -> float:

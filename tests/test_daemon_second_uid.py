@@ -34,7 +34,7 @@ def test_the_default_0660_socket_refuses_another_user(tmp_path, tiny_model_dir, 
         with d.http() as c:  # the owner still gets in
             assert c.post("/v1/completions", json=ASK).status_code == 200
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_an_open_socket_maps_the_uid_to_its_tenant_and_refuses_another_tenants_header(tmp_path, tiny_model_dir,
@@ -61,4 +61,4 @@ def test_an_open_socket_maps_the_uid_to_its_tenant_and_refuses_another_tenants_h
         line = next(x for x in log.splitlines() if rid in x)
         assert f"uid={NOBODY}" in line and "tenant=guests" in line, line
     finally:
-        d.stop()
+        d.stop(wait_exit=False)

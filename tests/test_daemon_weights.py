@@ -39,7 +39,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
         d.wait_ready()
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_on_demand_load_then_lru_eviction_to_host_and_back(daemon):
@@ -98,7 +98,7 @@ def test_model_too_big_for_the_device_tier(tmp_path, tiny_model_dir):
         assert r.status_code == 404
         assert "needs" in r.json()["error"]["message"] and "device tier holds 0.0 MB" in r.json()["error"]["message"]
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_prefetch_warms_the_model_that_usually_follows(tmp_path, tiny_model_dir):
@@ -119,7 +119,7 @@ def test_prefetch_warms_the_model_that_usually_follows(tmp_path, tiny_model_dir)
         assert pf["used"] >= 1 and pf["accuracy"] > 0
         assert "prefetching model b (follows a" in d.log
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_versions_split_traffic_and_change_at_run_time(tmp_path, tiny_model_dir):
@@ -150,7 +150,7 @@ def test_versions_split_traffic_and_change_at_run_time(tmp_path, tiny_model_dir)
             text = c.get("/metrics").text
         assert 'gpuserv_weight_cache_hits_total{tier="device"}' in text
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def test_low_hit_rate_publishes_a_sizing_suggestion(tmp_path, tiny_model_dir):
@@ -171,4 +171,4 @@ def test_low_hit_rate_publishes_a_sizing_suggestion(tmp_path, tiny_model_dir):
         assert ev["hit_rate"] < 0.9 and ev["models_for_90pct"] == 3 and ev["suggested_cache_size"] == 3
         assert "raise cache_size to 3" in ev["message"]
     finally:
-        d.stop()
+        d.stop(wait_exit=False)

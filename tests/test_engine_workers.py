@@ -88,7 +88,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
                 assert r.json()["isolation"] == "process" and r.json()["worker_pid"]
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 @pytest.fixture()

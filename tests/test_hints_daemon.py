@@ -77,7 +77,7 @@ def run(tmp_path_factory, tiny_model_dir):
         assert rec.returncode == 0, out
         yield d, hints, trace, codes, out, home
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 def active(d) -> dict:

@@ -42,7 +42,7 @@ def daemon(tmp_path_factory, tiny_model_dir):
                 assert r.status_code == 200, r.text
         yield d
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
 
 
 @pytest.fixture(scope="module")

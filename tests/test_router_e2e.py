@@ -62,7 +62,7 @@ def fleet(tmp_path_factory, tiny_model_dir, router_exe):
         yield daemons
     finally:
         for d in daemons:
-            d.stop()
+            d.stop(wait_exit=False)
 
 
 class Router:

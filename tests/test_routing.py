@@ -333,4 +333,4 @@ def test_the_daemon_starts_models_across_devices_and_a_new_device_list_needs_a_r
                 assert ok.status_code == 200, ok.text
         assert sorted(d.status()["devices"]) == ["cpu:0", "cpu:1"]  # the running devices stay until a restart
     finally:
-        d.stop()
+        d.stop(wait_exit=False)
