@@ -178,7 +178,8 @@ class DaemonProcess:
         own finalization (a second or so of garbage collection over torch's objects) to run beside the
         next test; `reap()` waits for it at the end of the session.
         """
-        if not wait_exit and self.proc.poll() is None:
+        logs_info = self.config.get("server", {}).get("log_level", "info") in ("info", "debug")
+        if not wait_exit and logs_info and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
             while self.proc.poll() is None and not self._logged_stopped() and time.monotonic() < deadline:
