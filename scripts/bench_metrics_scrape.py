@@ -3,7 +3,8 @@
 
     python scripts/bench_metrics_scrape.py [--socket PATH | --url http://box:8400] [--token-file F]
                                            [--models a,b] [--rate 20] [--seconds 20] [--clients 4]
-                                           [--max-tokens 64] [--out DIR]
+                                           [--max-tokens 64] [--scraper raw|httpx] [--idle-scrapes 200]
+                                           [--out DIR]
 
 --clients streaming completions run back to back, spread over --models (default: every model the daemon
 lists), while one scraper GETs /metrics --rate times a second for --seconds. Reports P50/P99/max of the
@@ -17,6 +18,13 @@ loading would take the CPU and leave its clients waiting inside the measured win
 clients run in a process of their own, so that their parsing does not hold the scraper's GIL and add to
 the latencies it times; tokens are counted from the token ids each chunk carries (a chunk may carry
 several). The daemon's CPU over the window (/admin/status `process`) is reported per token received.
+
+--scraper raw (the default) scrapes over one keep-alive HTTP/1.1 connection with a plain socket, as an
+endpoint picker's Go client does; --scraper httpx uses httpx, whose own Python (about 1.5 ms a scrape on
+a 2-core box under load) is then inside every latency. Before the streams start, --idle-scrapes
+back-to-back GETs of /metrics and of /health are counted against the daemon's event-loop CPU
+(/admin/status `process.loop_cpu_s`): what one scrape costs the loop, in CPU time, which a loaded
+machine does not distort the way it distorts wall time.
 """
 
 from __future__ import annotations
@@ -24,11 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import socket
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -47,6 +57,66 @@ def _client(args) -> httpx.Client:
     sock = args.socket or client_socket_path()
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://gpuserv", headers=headers,
                         timeout=30)
+
+
+class RawScraper:
+    """GET over one keep-alive HTTP/1.1 connection (Unix socket or TCP), reading Content-Length bodies."""
+
+    def __init__(self, args):
+        self.token = Path(args.token_file).read_text().strip() if args.token_file else None
+        if args.url:
+            u = urlsplit(args.url)
+            self.sock = socket.create_connection((u.hostname, u.port or 80))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.connect(str(args.socket or client_socket_path()))
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        auth = f"authorization: Bearer {self.token}\r\n" if self.token else ""
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nhost: gpuserv\r\n{auth}\r\n".encode())
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection")
+            buf += chunk
+        head, body = buf.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        length = next(int(v) for k, _, v in (line.partition(b":") for line in lines[1:])
+                      if k.strip().lower() == b"content-length")
+        while len(body) < length:
+            body += self.sock.recv(max(65536, length - len(body)))
+        return int(lines[0].split()[1]), body
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class HttpxScraper:
+    def __init__(self, args):
+        self.client = _client(args)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        r = self.client.get(path)
+        return r.status_code, r.content
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _idle_cost(args, scraper) -> dict:
+    """The daemon event loop's CPU per /metrics and per /health, back to back before the streams start."""
+    out = {}
+    with _client(args) as c:
+        for path in ("/metrics", "/health"):
+            before = _cpu(c).get("loop_cpu_s")
+            for _ in range(args.idle_scrapes):
+                scraper.get(path)
+            after = _cpu(c).get("loop_cpu_s")
+            if before is not None and after is not None:
+                out[f"idle_{path[1:]}_loop_cpu_ms"] = round((after - before) * 1e3 / args.idle_scrapes, 3)
+    return out
 
 
 def _serve(args, model: str, stop, tokens) -> None:
@@ -102,6 +172,8 @@ def main() -> int:
     a.add_argument("--seconds", type=float, default=20.0)
     a.add_argument("--clients", type=int, default=4)
     a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--scraper", choices=("raw", "httpx"), default="raw")
+    a.add_argument("--idle-scrapes", type=int, default=200, help="back-to-back scrapes for the CPU cost (0: none)")
     a.add_argument("--out", type=Path, default=None)
     args = a.parse_args()
     models = [m for m in args.models.split(",") if m]
@@ -112,6 +184,8 @@ def main() -> int:
         print("the daemon serves no model", file=sys.stderr)
         return 2
     _wait_ready(args, models)
+    scraper = RawScraper(args) if args.scraper == "raw" else HttpxScraper(args)
+    idle = _idle_cost(args, scraper) if args.idle_scrapes > 0 else {}
     ctx = multiprocessing.get_context("spawn")
     stop, tokens = ctx.Event(), ctx.Value("q", 0)
     streams = ctx.Process(target=_streams, args=(args, models, stop, tokens), daemon=True)
@@ -124,19 +198,20 @@ def main() -> int:
         start_tokens = tokens.value
         while time.monotonic() < end:
             t0 = time.perf_counter()
-            r = c.get("/metrics")
+            status, body = scraper.get("/metrics")
             latencies.append(time.perf_counter() - t0)
-            if r.status_code != 200:
+            if status != 200:
                 failed += 1
-            size = len(r.content)
-            series = sum(1 for line in r.text.splitlines() if line and not line.startswith("#"))
+            size = len(body)
+            series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
             t0 = time.perf_counter()
-            c.get("/health")
+            scraper.get("/health")
             health.append(time.perf_counter() - t0)
             t_next += period
             time.sleep(max(0.0, t_next - time.monotonic()))
         received = tokens.value - start_tokens
         cpu_after = _cpu(c)
+    scraper.close()
     stop.set()
     streams.join(10)
     ms, hs = sorted(x * 1000 for x in latencies), sorted(x * 1000 for x in health)
@@ -144,11 +219,11 @@ def main() -> int:
     def p99(xs):
         return round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3)
 
-    result = {"models": models, "scrapes": len(ms), "failed": failed, "rate_per_s": args.rate,
+    result = {"models": models, "scraper": args.scraper, "scrapes": len(ms), "failed": failed, "rate_per_s": args.rate,
               "p50_ms": round(statistics.median(ms), 3), "p99_ms": p99(ms), "max_ms": round(ms[-1], 3),
               "health_p50_ms": round(statistics.median(hs), 3), "health_p99_ms": p99(hs),
               "body_bytes": size, "series": series, "clients": args.clients,
-              "tokens_per_s_meanwhile": round(received / args.seconds, 1)}
+              "tokens_per_s_meanwhile": round(received / args.seconds, 1), **idle}
     if cpu_before and cpu_after and received:
         for key in ("cpu_s", "loop_cpu_s"):
             result[f"daemon_{key}_per_token"] = round((cpu_after[key] - cpu_before[key]) / received, 6)

@@ -24,6 +24,10 @@ class HostCopy:
         self.tensors = tensors
         self.compression = compression  # "none" | "int8"
         self.read_s = read_s  # time it took to build from disk
+        # A copy never changes once built; its size is read on every /metrics scrape and status call (a
+        # sum over every tensor of the model: a quarter of a scrape's CPU when counted each time).
+        self._nbytes = sum(t.nbytes if isinstance(t, QTensor) else t.numel() * t.element_size()
+                           for t in tensors.values())
 
     @classmethod
     def from_reader(cls, model: str, reader, compression: str = "none", pin: bool = False) -> "HostCopy":
@@ -44,7 +48,7 @@ class HostCopy:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes if isinstance(t, QTensor) else t.numel() * t.element_size() for t in self.tensors.values())
+        return self._nbytes
 
     def has(self, name: str) -> bool:
         return name in self.tensors
