@@ -170,12 +170,17 @@ class EngineLoop:
 
     def __init__(self, model: str, build: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                  on_post: Callable[[list, list], None], hooks: EngineHooks | None = None,
-                 admission_window_s: float = 0.0, arbiter=None, on_exit: Callable[[], None] | None = None):
+                 admission_window_s: float = 0.0, arbiter=None, on_exit: Callable[[], None] | None = None,
+                 seat=None):
         self.model = model
         self._on_exit = on_exit  # called on the engine thread as it ends (a partition's unbind)
         # sharing.arbiter.ArbiterHandle when the device is shared (time slices, bandwidth priority): asked before each step and
         # between layers, told when the loop goes idle; None = this engine steps whenever it has work.
         self.arbiter = arbiter
+        # runner.cpu_budget.BudgetSeat: the engines stepping at once split the cores, each step takes its
+        # share as its OpenMP team; None = the engine's own fixed count. Unused under the arbiter, whose
+        # time slices already keep one engine of a device stepping at a time.
+        self.seat = seat
         # When a request wakes an idle engine, wait up to this long for more arrivals (ending early
         # after GATHER_GAP_S without one), so that a burst is prefilled in one step instead of
         # the first request alone and the rest a step later.
@@ -302,11 +307,16 @@ class EngineLoop:
             if engine.has_unfinished():
                 if arbiter is not None:
                     arbiter.begin_step()  # may wait for this model's turn
+                seat = self.seat if arbiter is None else None
+                if seat is not None:
+                    engine.num_threads = seat.enter()  # the step re-asserts its team size (runner/omp.py)
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # a bug or a device fault: fail the requests, keep the thread
                     self._engine_failed(exc, deliveries, events)
                 finally:
+                    if seat is not None:
+                        seat.leave()
                     if arbiter is not None:
                         arbiter.end_step(decode_only=all(not r.num_prefill_tokens for r in self._records))
                 self._row_failed.update(engine.rows.take())  # their abort outputs may come a step later

@@ -30,9 +30,10 @@ if TYPE_CHECKING:  # the manager imports this module; only its type is needed he
 log = logging.getLogger("gpuservd.serving.models")
 
 
-def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_layer) -> WorkerLoop:
+def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_layer, seat=None) -> WorkerLoop:
     """A WorkerLoop for the slot's model: its engine in a worker process, with the environment the
-    partition backend gives it (MPS: its SM percentage and memory limit)."""
+    partition backend gives it (MPS: its SM percentage and memory limit) and its seat in the daemon's
+    CPU budget (runner/cpu_budget.py), if it has one."""
     env = models.sharing.worker_env(slot.name)
     wcfg = copy.deepcopy(cfg)
     if "CUDA_VISIBLE_DEVICES" in env:  # the worker sees its one GPU as device 0
@@ -41,7 +42,8 @@ def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_laye
     cc, srv = models.config.cache, models.config.server
     spec = WorkerSpec(slot.name, str(model_dir), str(model_dir), wcfg, models.sources.compression_for(slot.name),
                       cc.initial_layers if cc.load_strategy == "layered" else None, models.quotas,
-                      srv.admission_window_ms / 1000, srv.log_level)
+                      srv.admission_window_ms / 1000, srv.log_level,
+                      seat.handover() if seat is not None else None)
     return WorkerLoop(slot.name, spec, asyncio.get_running_loop(), models.on_post, models.metrics, env, on_layer,
                       partial(worker_exited, models))
 
@@ -55,13 +57,15 @@ async def worker_ready(models: "Models", slot: ModelSlot, loop: WorkerLoop, fact
         await asyncio.wrap_future(loop.call(partial(set_kv_limit, cap)))
     slot.source_tier = facts.source_tier
     models.cache.bytes_loaded["disk"] += facts.bytes_read
-    warn_cpu_oversubscription(models.slots.values(), slot)
+    if models.cpu_budget.fd is None:  # no budget shared with workers (no memfd): their teams stay fixed
+        warn_cpu_oversubscription(models.slots.values(), slot)
 
 
 def warn_cpu_oversubscription(slots, slot: ModelSlot) -> None:
     """Workers on a CPU run side by side (the arbiter paces engine threads only), each with torch's
     default of every core unless engine.num_threads is set: two busy workers then fight over the
-    cores with spinning OpenMP pools. Said once per load, in the log, with the fix."""
+    cores with spinning OpenMP pools. Said once per load, in the log, with the fix, where the daemon
+    cannot share its CPU budget (runner/cpu_budget.py) with its workers."""
     if not slot.device.startswith("cpu") or slot.config.num_threads:
         return
     others = [s.name for s in slots if s is not slot and s.device == slot.device
@@ -87,6 +91,7 @@ def worker_exited(models: "Models", loop: WorkerLoop, info: dict) -> None:
     slot.loaded.set()
     slot.encoder.shutdown(wait=False)
     models.sharing.detach(slot.name)
+    models.cpu_budget.release(slot.name)  # it may have died inside a step: it no longer counts as busy
     models.cache.device_evicted(slot.name)
     log.error("model %s failed: %s; %d requests failed", slot.name, slot.error, info["num_failed_requests"])
     models.bus.publish(EngineWorkerExit(model=slot.name, state="failed", device=slot.device or None, **info))

@@ -37,6 +37,7 @@ from gpuservd.events import EventBus
 from gpuservd.events.types import CacheHitRateLow, ModelEvict, ModelLoad, ModelPin, ModelUnload, Prefetch
 from gpuservd.serving.request_stream import ModelSlot
 from gpuservd.serving.routing import VersionRouter, pick_plan
+from gpuservd.runner.cpu_budget import CpuBudget
 from gpuservd.runner.model_config import load_arch
 from gpuservd.sharing.manager import SharingManager
 from gpuservd.store.store import ModelStore
@@ -78,6 +79,7 @@ class Models:
         self.prefetch_stats = PrefetchStats()
         self.hit_rate = HitRateWatch(HIT_WINDOW)
         self.sharing = SharingManager(config, device)  # backend, plan, arbiter, quotas, readings
+        self.cpu_budget = CpuBudget()  # the CPU's cores split among the engines stepping at once
 
     def model_names(self, ready_only: bool = True) -> list[str]:
         return sorted(n for n, s in self.slots.items() if s.state == "ready" or not ready_only)
@@ -212,9 +214,8 @@ class Models:
                 cfg.device = torch_device(slot.device)
             isolation = self.sharing.isolation(cfg.isolation)  # process: an engine worker process (mps: always)
             if isolation == "process" and base is not None:
-                raise UserError(f"model {name} is a variant of {base}: it runs on {base}'s weights in the daemon's "
-                                "memory, which an engine worker process cannot share; load it with "
-                                "engine.isolation: thread (and a sharing.backend other than mps)")
+                raise UserError(f"model {name} is a variant of {base}: it runs on its weights in the daemon's memory, "
+                                "which an engine worker process cannot share; load it with engine.isolation: thread")
             handle = self.sharing.attach(name, slot.device, isolation)  # the plan is redone with it; its arbiter
         except Exception as exc:
             self._load_failed(slot, exc)
@@ -222,14 +223,15 @@ class Models:
         on_layer = self._layer_reporter(slot)
         sources: list = []  # the weight source the engine thread chose (a variant's reports its delta bytes)
         loop: AnyEngineLoop | None = None
+        seat = self.cpu_budget.seat_for(name, cfg.device, cfg.num_threads)  # its share of the cores per step
         try:
             if isolation == "process":
-                loop = worker_loop(self, slot, cfg, model_dir, on_layer)
+                loop = worker_loop(self, slot, cfg, model_dir, on_layer, seat)
             else:
                 build = partial(self._build_engine, slot, cfg, model_dir, config_dir, on_layer, sources)
                 loop = EngineLoop(name, build, asyncio.get_running_loop(), self.on_post, self.metrics,
                                   self.config.server.admission_window_ms / 1000, arbiter=handle,
-                                  on_exit=partial(self.sharing.unbind, name))
+                                  on_exit=partial(self.sharing.unbind, name), seat=seat)
             loop.start()
             await asyncio.wrap_future(loop.ready)
             facts = loop.facts()
@@ -475,10 +477,8 @@ class Models:
         eng = self.config.engine  # engine.dtype auto: what it chose for this device, and why
         data: dict = {"device": {**self.device, "readings": self.sharing.readings,
                                  "dtype": eng.dtype, "dtype_reason": eng.dtype_reason}}
-        sharing = self.sharing.status()
-        data["sharing"] = sharing["backend"]  # the partition backend and its one-line summary
-        for key in ("partitions", "quotas", "arbiter"):
-            data[key] = sharing[key]
+        sharing = self.sharing.status()  # backend: the partition backend and its one-line summary
+        data.update(sharing=sharing["backend"], **{k: sharing[k] for k in ("partitions", "quotas", "arbiter")})
         data["versions"] = self.router.status()
         data["weight_cache"] = self.cache.status()
         load = self.device_load()  # per device its tier (budget, bytes, models) and its load

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 
 from gpuservd.engine.calls import EngineFacts
 from gpuservd.engine.loop import IDLE_TICK_S, EngineLoop, Failed, Submission
+from gpuservd.runner.cpu_budget import BudgetSeat, CpuBudget
 from gpuservd.runner.omp import use_threads
 from gpuservd.weights.sources import store_source
 from gpuservd.worker.build import make_engine
@@ -131,8 +132,12 @@ def serve(conn: Connection) -> int:
     use_threads(1)  # this thread only relays messages; the engine thread owns the OpenMP team (runner/omp.py)
     poster = Poster(channel)
     facts: list = []
+    seat = None
+    if spec.cpu_budget is not None:
+        fd, slot, cores = spec.cpu_budget
+        seat = BudgetSeat(CpuBudget(cores, fd), slot)
     loop = EngineLoop(spec.model, lambda: build(spec, channel, facts), poster, poster.post, hooks=poster,
-                      admission_window_s=spec.admission_window_s)
+                      admission_window_s=spec.admission_window_s, seat=seat)
     poster.loop = loop
     loop.start()
 

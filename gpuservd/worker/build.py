@@ -32,6 +32,9 @@ class WorkerSpec:
     tenant_quotas: Any = None  # name -> TenantQuota
     admission_window_s: float = 0.0  # server.admission_window_ms, in seconds
     log_level: str = "info"
+    # (fd, slot, cores) of the daemon's runner.cpu_budget.CpuBudget, its file descriptor handed over at the
+    # start: the worker's engine takes its share of the cores per step; None = its own fixed team
+    cpu_budget: tuple[int, int, int] | None = None
 
 
 def make_engine(name: str, config_dir: Path, cfg: EngineConfig, source, initial_layers: int | None,

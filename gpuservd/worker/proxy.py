@@ -115,9 +115,10 @@ class WorkerLoop:
     # ---- any thread -------------------------------------------------------------------------------
     def start(self) -> None:
         ours, theirs = socket.socketpair()
+        budget_fd = (self.spec.cpu_budget[0],) if self.spec.cpu_budget is not None else ()  # the same number there
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuservd.worker", str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                [sys.executable, "-m", "gpuservd.worker", str(theirs.fileno())], pass_fds=(theirs.fileno(), *budget_fd),
                 env=worker_environment(self.env), stdin=subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's Ctrl-C reaches the daemon, which drains, not its workers
         except BaseException:
