@@ -5,13 +5,13 @@ repacked at load into column panels ([out/16][in][16], csrc/packed_gemm_f32.cpp
 explains the layout) and every row count goes to `packed_linear_f32`, an
 outer-product kernel (6 x 16 register tiles on AVX2, 12 x 16 with AVX-512VL's
 32 registers) with no per-output reductions. On the 2-core AVX2 EPYC, over
-SmolLM2's four layer shapes with W streamed from DRAM, it beat the dense-layout
-paths it replaced at every measured row count (1 thread, process CPU time, the
-machine shared; MEASURE-gemm22.md has the commands): level with gemv at 1 row
-(both stream W at DRAM speed), 1.1-1.2x gemv at 8, 1.5-1.7x gemv and 1.3-1.6x
-oneDNN at 16-64, level with oneDNN (which reorders W on every call) at 256.
-Since it is as fast or faster everywhere, the packed copy is the only copy:
-keeping the dense one as well for gemv / oneDNN would double the model's memory.
+SmolLM2's four layer shapes with W streamed from DRAM (2 threads, the other
+processes stopped; MEASURE-gemm22.md has the commands), in GFLOP/s:
+rows 1: 11.4 packed, 10.5 gemv; 8: 67 / 66; 16: 114 / 69 (oneDNN 55);
+32: 150 / 86 (88); 64: 175 / 98 (107); 256: 177, oneDNN (which reorders W
+on every call) 147. As fast or faster at every row count, so the panels are
+the only copy: keeping the dense weight too for gemv / oneDNN would double the
+model's memory for no row count that needs it.
 `rows(ids)` reads dense rows back out of the panels, so a tied embedding and LM
 head stay one tensor.
 

@@ -21,12 +21,11 @@
 //
 // Work split: each thread takes a contiguous range of panels (at::parallel_for),
 // so it streams its share of W from DRAM as one sequential run, and prefetches
-// the next panel's lines into L2 while it computes on the current one. Within a
-// range: chunks of up to kMc rows of x (kept in L2), and when a chunk has more
-// than one row block, blocks of kKc input positions (a 16 KB slice of the panel
-// stays in L1 while every row block passes over it; the accumulators go to y
-// between K blocks). One row block (<= MR rows: decode at small batches) runs
-// over the whole K, so W streams straight through.
+// the next lines of it into L2 while it computes on the current ones. Within a
+// range: chunks of up to kMc rows of x (kept in L2), panel by panel, and when
+// a chunk has more than one row block, blocks of kKc input positions (a 16 KB
+// slice of the panel stays in L1 while every row block passes over it; the
+// accumulators go to y between K blocks). Either way W is read front to back.
 //
 // Numerics: fp32 products and fp32 accumulation along k in order within a K
 // block; the bias is added once at the end. The summation order differs from
@@ -173,30 +172,35 @@ struct Call {
   int mr_max;
 };
 
-// Panels [p0, p1) against all rows of x.
+// Panels [p0, p1) against all rows of x. Panel by panel, and within a panel K block by K block,
+// so W is read front to back (one sequential stream per thread) and each K block's slice is
+// prefetched while the one before it is computed.
 void panels(const Call& c, int64_t p0, int64_t p1) {
+  const float* w_end = c.w + p1 * c.K * kPanel;
   for (int64_t mc0 = 0; mc0 < c.M; mc0 += kMc) {
     const int64_t rows = std::min(kMc, c.M - mc0);
     const int64_t nb = (rows + c.mr_max - 1) / c.mr_max;  // row blocks of nearly equal height
     const int64_t base = rows / nb, extra = rows % nb;
     const int64_t kc_step = nb == 1 ? c.K : kKc;
-    for (int64_t k0 = 0; k0 < c.K; k0 += kc_step) {
-      const int64_t kc = std::min(kc_step, c.K - k0);
-      for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p = p0; p < p1; ++p) {
+      Out o{nullptr, c.N, c.bias ? c.bias + p * kPanel : nullptr,
+            static_cast<int>(std::min(kPanel, c.N - p * kPanel)), true, false};
+      for (int64_t k0 = 0; k0 < c.K; k0 += kc_step) {
+        const int64_t kc = std::min(kc_step, c.K - k0);
         const float* wp = c.w + (p * c.K + k0) * kPanel;
-        // The next panel's slice, fetched while this one is computed (on every chunk: past the
-        // first, a W larger than the caches comes from DRAM again).
-        const bool pf_on = p + 1 < p1;
-        const char* pf = pf_on ? reinterpret_cast<const char*>(wp + c.K * kPanel) : nullptr;
-        int64_t pf_left = pf_on ? kc : 0;  // lines of that slice: kc of them, shared out over the blocks
-        const int64_t share = (pf_left + nb - 1) / nb;
-        Out o{nullptr, c.N, c.bias ? c.bias + p * kPanel : nullptr,
-              static_cast<int>(std::min(kPanel, c.N - p * kPanel)), k0 == 0, k0 + kc == c.K};
+        // The next kc lines of W after this slice (on every chunk: past the first, a W larger
+        // than the caches comes from DRAM again), shared out over the row blocks.
+        const float* next = wp + kc * kPanel;
+        int64_t pf_left = std::min<int64_t>(kc, (w_end - next) / kPanel);
+        const char* pf = pf_left > 0 ? reinterpret_cast<const char*>(next) : nullptr;
+        const int64_t share = (std::max<int64_t>(pf_left, 0) + nb - 1) / nb;
+        o.first = k0 == 0;
+        o.last = k0 + kc == c.K;
         int64_t m = mc0;
         for (int64_t b = 0; b < nb; ++b) {
           const int mr = static_cast<int>(base + (b < extra ? 1 : 0));
           o.y = c.y + m * c.N + p * kPanel;
-          const int64_t lines = std::min(share, pf_left);
+          const int64_t lines = pf ? std::min(share, pf_left) : 0;
           tile(mr, c.x + m * c.ldx + k0, c.ldx, wp, kc, o, pf, lines);
           if (pf) pf += lines * 64;
           pf_left -= lines;
