@@ -75,13 +75,16 @@ def test_refuses_wrong_shapes(ops):
     assert ops.packed_linear_f32(torch.randn(0, 6), w, 20, None).shape == (0, 20)
 
 
-def test_pack_round_trip():
-    w = torch.randn(37, 11)
+@pytest.mark.parametrize("n,k", [(37, 11), (64, 40), (16, 8), (5, 3), (48, 577)])
+def test_pack_round_trip(n, k):
+    """Whole panels (register transposes of 8 x 8 blocks plus a column tail) and a zero-padded last one."""
+    w = torch.randn(n, k)
     p = pack_panels(w)
-    assert p.shape == (3, 11, 16) and p.is_contiguous()
-    assert torch.equal(unpack_panels(p, 37, 11), w)
-    assert p[2, 10, 4] == w[36, 10]  # packed[p][k][j] = W[16p + j][k]
-    assert not p[2, :, 5:].any()  # padded outputs are zero
+    P = -(-n // 16)
+    assert p.shape == (P, k, 16) and p.is_contiguous()
+    assert torch.equal(p, F.pad(w, (0, 0, 0, 16 * P - n)).reshape(P, 16, k).transpose(1, 2))
+    assert torch.equal(unpack_panels(p, n, k), w)
+    assert p[(n - 1) // 16, k - 1, (n - 1) % 16] == w[n - 1, k - 1]  # packed[p][k][j] = W[16p + j][k]
 
 
 def test_linear_packs_fp32_by_default_and_serves_every_row_count(ops, monkeypatch):

@@ -89,6 +89,9 @@ def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] fp32 -> column panels [ceil(N/16), K, 16]: packed[p][k][j] = W[16p + j][k], zero padded
     (csrc/packed_gemm_f32.cpp)."""
+    ops = cpu_kernels.get() if w.device.type == "cpu" and w.dtype == torch.float32 else None
+    if ops is not None and hasattr(ops, "pack_panels_f32"):
+        return ops.pack_panels_f32(w)  # register transposes: cheaper at load than the permuted copy below
     n, k = w.shape
     p = -(-n // PANEL)
     if n % PANEL:
