@@ -15,8 +15,10 @@ import torch
 
 from gpuservd.engine.loop import EngineLoop, Submission
 from gpuservd.engine.request import RequestOutput, SamplingParams
-from gpuservd.runner.cpu_budget import CpuBudget
+from gpuservd.runner.cpu_budget import SLOTS, CpuBudget
+from gpuservd.runner.omp import DEFAULT_THREADS
 
+from daemon_harness import DaemonProcess, make_home
 from test_engine import make_engine
 from test_stream_path import _RecordingLoop
 
@@ -109,3 +111,38 @@ def test_an_engine_thread_steps_with_its_share_while_another_engine_steps(tiny_m
     first = {n for p, n in teams if p == 1}
     second = {n for p, n in teams if p == 2}
     assert first == {2} and second == {4}, teams
+
+
+def _budget_table(pid: int):
+    """The daemon's budget table, opened through its memfd in /proc (what its worker processes inherit)."""
+    import mmap
+
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "gpuserv-cpu-budget" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                with open(f"/proc/{pid}/fd/{fd}", "r+b") as f:
+                    return mmap.mmap(f.fileno(), SLOTS)
+        except OSError:
+            continue
+    raise AssertionError("the daemon holds no CPU budget table")
+
+
+@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one core: every share is the whole machine")
+def test_an_engine_worker_process_steps_with_its_share_of_the_daemons_budget(tmp_path, tiny_model_dir):
+    """A worker's engine reads the daemon's table: with another engine marked busy its steps run on half
+    the cores (its status reports the team of its last step), alone on all of them."""
+    home = make_home(tmp_path, tiny_model_dir)
+    config = {"engine": {"isolation": "process", "num_threads": None}}
+    with DaemonProcess(tmp_path, home, config=config) as d, d.http() as c:
+        table = _budget_table(d.proc.pid)
+
+        def team_after_a_request() -> int:
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return next(m for m in c.get("/admin/status").json()["models"] if m["name"] == "tiny")["decode"]["threads"]
+
+        table[SLOTS - 1] = 1  # another engine inside a step
+        assert team_after_a_request() == DEFAULT_THREADS // 2
+        table[SLOTS - 1] = 0
+        assert team_after_a_request() == DEFAULT_THREADS
+        table.close()
