@@ -12,8 +12,10 @@ to the device and, in a layered load, while the forward runs the layers already 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -296,6 +298,18 @@ def _load_outside(up: Upload, outside: dict, tied: bool, dtype, onednn: bool):
     return embed, lm_head, final_norm
 
 
+def return_freed_memory(device: torch.device) -> None:
+    """Hand the heap pages a CPU load freed back to the OS. The packed layouts are built from a dense
+    copy dropped once packed, and glibc keeps such freed pages in its heap: after a SmolLM2 fp32 load
+    the process held ~200 MB above its weights (RSS 942 MB, 740 after this), as if they were loaded twice."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl): no such call, nothing kept to give back
+        pass
+
+
 def load_weights(
     source, arch: ModelArch, dtype: torch.dtype, device: torch.device, onednn: bool | None = None,
     initial_layers: int | None = None, on_layer=None, pipeline: bool | None = None,
@@ -348,6 +362,7 @@ def load_weights(
             full = ModelWeights(embed, final_norm, lm_head, [load(i) for i in range(n)], tied=tied)
             if reads is not None:
                 reads.close()  # it has ended: every group was taken
+            return_freed_memory(device)
             return full
         layers: list[LayerWeights | None] = [None] * n
         gate = LayerGate(n)
@@ -364,6 +379,7 @@ def load_weights(
             for i in range(max(0, initial_layers), n):
                 layers[i] = load(i)
                 gate.set(i)
+            return_freed_memory(device)
         except BaseException as exc:  # the runner raises it where it waits for the layer
             gate.fail(exc)
         finally:
