@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 
 from gpuservd.runner.omp import DEFAULT_THREADS
 
@@ -31,8 +32,10 @@ class CpuBudget:
 
     def __init__(self, cores: int = DEFAULT_THREADS, fd: int | None = None):
         self.cores = max(1, cores)
+        self._closer = None
         if fd is None and self.available():  # the daemon's: a fresh table the worker processes it starts inherit
             fd = os.memfd_create("gpuserv-cpu-budget", 0)
+            self._closer = weakref.finalize(self, os.close, fd)  # a budget dropped unclosed leaks no descriptor
             os.ftruncate(fd, SLOTS)
         self.fd = fd  # None without memfd_create: the daemon's engine threads share the table, workers cannot
         self._table = mmap.mmap(-1 if fd is None else fd, SLOTS)
@@ -84,9 +87,10 @@ class CpuBudget:
         return self._table[:SLOTS].count(1)
 
     def close(self) -> None:
+        """The daemon's end of the table (a worker's handle closes with its process)."""
         self._table.close()
-        if self.fd is not None:
-            os.close(self.fd)
+        if self._closer is not None:
+            self._closer()
 
 
 class BudgetSeat:
