@@ -88,6 +88,8 @@ def test_pack_round_trip(n, k):
 
 
 def test_linear_packs_fp32_by_default_and_serves_every_row_count(ops, monkeypatch):
+    if not ops.packed_f32_available():
+        pytest.skip("kernels built without AVX2/FMA: fp32 stays dense (oneDNN / F.linear)")
     w, b = torch.randn(48, 40), torch.randn(48)
     lin = Linear(w, b)
     assert lin.panels and lin.packed is not None and lin.weight is None and not lin.gemv
@@ -123,6 +125,8 @@ def test_linear_packs_fp32_by_default_and_serves_every_row_count(ops, monkeypatc
 def test_fp32_model_loads_into_panels_with_one_tied_copy(ops, tmp_path, monkeypatch):
     """Every layer's matmuls and the tied head take the packed path by default; the embedding's rows
     come out of the head's panels, and the model's bytes count it once."""
+    if not ops.packed_f32_available():
+        pytest.skip("kernels built without AVX2/FMA: fp32 stays dense (oneDNN / F.linear)")
     from factories import make_model_dir
 
     from gpuservd.runner.load import load_weights
@@ -166,6 +170,8 @@ print(anon - w.nbytes())
 def test_packing_does_not_leave_a_second_copy_resident(ops, smollm2_dir):
     """The dense fp32 copies the panels are built from are dropped, and their heap pages given back:
     the process holds SmolLM2's weights once (plus the interpreter and torch), not the dense copies too."""
+    if not ops.packed_f32_available():
+        pytest.skip("kernels built without AVX2/FMA: fp32 stays dense (oneDNN / F.linear)")
     import os
     import subprocess
     import sys
@@ -179,3 +185,15 @@ def test_packing_does_not_leave_a_second_copy_resident(ops, smollm2_dir):
     kept, returned = extra("keep"), extra("return")
     assert kept - returned > 64 << 20  # what glibc kept of the dense copies (~140 MB here)
     assert returned < 250 << 20  # above the 540 MB of weights: the runtime's own memory only
+
+
+def test_a_library_without_avx2_keeps_fp32_dense(monkeypatch):
+    """Its scalar tile would stand in for oneDNN: fp32 stays in the dense layout there."""
+    from gpuservd.runner import cpu_kernels
+
+    class NoAvx2:
+        def packed_f32_available(self):
+            return False
+
+    monkeypatch.setattr(cpu_kernels, "get", lambda: NoAvx2())
+    assert not packed_enabled(torch.device("cpu"), torch.float32)

@@ -107,7 +107,7 @@ def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of this dtype on this device are held packed: bf16 in pair panels (a CPU with
-    AVX512_BF16), fp32 in column panels (any CPU the C++ kernels built on)."""
+    AVX512_BF16), fp32 in column panels (a CPU with AVX2 and FMA)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if os.environ.get(PACKED_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -115,8 +115,8 @@ def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     ops = cpu_kernels.get()
     if ops is None:
         return False
-    if dtype == torch.float32:
-        return hasattr(ops, "packed_linear_f32")
+    if dtype == torch.float32:  # the library's vector kernel (else its scalar loops would stand in for oneDNN)
+        return bool(hasattr(ops, "packed_f32_available") and ops.packed_f32_available())
     return bool(hasattr(ops, "packed_available") and ops.packed_available())
 
 

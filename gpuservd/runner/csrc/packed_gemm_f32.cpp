@@ -162,6 +162,11 @@ void tile(int mr, const float* x, int64_t ldx, const float* w, int64_t kc, const
 #endif
 }
 
+// Whether this library has the vector kernel. Without AVX2/FMA (another architecture, or an old
+// x86) the scalar tile still computes correct results, but oneDNN / F.linear on the dense weight are
+// far faster there, so Linear keeps that layout.
+bool packed_f32_available() { return GPUSERV_AVX2 != 0; }
+
 struct Call {
   const float* x;
   int64_t ldx, M, K;
@@ -301,6 +306,7 @@ at::Tensor pack_panels_f32(const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(gpuserv, m) {
   m.def("packed_linear_f32(Tensor x, Tensor packed, int n, Tensor? bias, int tile_rows=0) -> Tensor");
   m.def("pack_panels_f32(Tensor w) -> Tensor");
+  m.def("packed_f32_available() -> bool", &packed_f32_available);
 }
 
 TORCH_LIBRARY_IMPL(gpuserv, CPU, m) {
