@@ -65,8 +65,8 @@ class CpuBudget:
         return BudgetSeat(self, slot)
 
     def release(self, model: str) -> None:
-        """The model's engine is gone (unloaded, failed, its worker exited): it no longer counts as busy,
-        even if its worker died inside a step."""
+        """The model's engine is gone (unloaded, or its worker process exited, maybe inside a step): it no
+        longer counts as busy, and its slot is free for another model."""
         with self._lock:
             slot = self._slots.pop(model, None)
             if slot is None:

@@ -12,8 +12,7 @@ goes to the device `routing.choose_device` picks from the weight cache's per-dev
 first, then fewer bytes and models to evict, then the lighter load, then the lower index). A model runs
 on one device at a time; a variant runs where its base's weights are.
 
-Ending a model's requests (before an unload or an eviction) belongs to the request side: the owner passes
-`end_requests(slot, timeout)`.
+Ending a model's requests (before an unload or eviction) is the request side's: the owner passes `end_requests`.
 """
 
 from __future__ import annotations
@@ -390,6 +389,7 @@ class Models:
         if self.metrics is not None:
             self.metrics.remove_model(name)
         self.sharing.detach(name)
+        self.cpu_budget.release(name)  # its slot goes to the next model loaded
         self.cache.device_evicted(name)
         self.bus.publish(ModelUnload(model=name, device=slot.device or None, num_aborted=aborted, reason=reason))
         log.info("model %s unloaded (%d requests finished, %d aborted)", name, finished, aborted)
