@@ -55,6 +55,9 @@ CASES = {
     # Past one 256-token partition: the partial softmaxes are combined (512 = exactly two partitions).
     "long-partitions": dict(lens=[1000, 256, 512, 257, 3, 770], heads=9, kv_heads=3, head_dim=64, block_size=16),
     "single-long": dict(lens=[2049], heads=9, kv_heads=3, head_dim=64, block_size=16),
+    # Blocks longer than the kernel's 32-token step: a block is walked in several steps, the last short.
+    "block-size-64": dict(lens=[1, 31, 32, 33, 64, 65, 200], heads=9, kv_heads=3, head_dim=64, block_size=64),
+    "block-size-48-gqa-4": dict(lens=[47, 48, 49, 97, 300], heads=8, kv_heads=2, head_dim=32, block_size=48),
 }
 
 
@@ -160,3 +163,30 @@ def test_short_prefill_chunks_attend_in_the_kernel_with_the_decode_rows(kernel, 
     monkeypatch.setattr(attention.cpu_kernels, "get", lambda: None)  # the torch path for everything
     want = attention.paged_attention(q, k, v, k_cache, v_cache, batch, scale, store_kv=False)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("growth", ["rising", "sink-first"])
+def test_running_softmax_rescales_across_steps(kernel, threads, growth):
+    """The kernel walks a context a step of up to 32 tokens at a time, keeping each head's running max, sum and
+    weighted V: where a later step holds a larger score ("rising": scores grow with the position, so every step
+    rescales what came before) or the first token dominates ("sink-first": later weights are ~exp(-60)), the
+    result still matches the torch path, on one thread (a 256-token partition is 8 steps) and on two."""
+    q, k_cache, v_cache, batch = _case(lens=[1, 40, 255, 256, 300, 513], heads=9, kv_heads=3, head_dim=64,
+                                       block_size=16, dtype=torch.float32, seed=7)
+    q = q.abs()  # every score follows the sign and size of its K row
+    for row, n in zip(batch.decode_block_table.tolist(), batch.decode_ctx_lens.tolist()):
+        for t in range(n):
+            blk, off = row[t // 16], t % 16
+            k_cache[blk, off] = k_cache[blk, off].abs() * (0.05 + t / 256 if growth == "rising" else 0.05)
+            if growth == "sink-first" and t == 0:
+                k_cache[blk, off] = 8.0
+    scale = q.shape[-1] ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    want = decode_attention_torch(q, k_cache, v_cache, batch, scale)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

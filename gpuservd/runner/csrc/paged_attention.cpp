@@ -40,6 +40,7 @@ using namespace gpuserv_simd;
 
 constexpr int64_t kMaxPartition = 256;  // context tokens per work item, at most
 constexpr int64_t kMinPartition = 32;
+constexpr int64_t kChunk = 32;  // context tokens per step of the single-pass item (at most)
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
@@ -74,29 +75,35 @@ struct Shape {
   int64_t block_size, kv_heads, group, D, row_stride;  // row_stride = kv_heads * D
 };
 
+// s[i] = exp(s[i] - mx) over n scores; returns their sum.
+inline float exp_sub_rows(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if GPUSERV_AVX2
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vs = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  sum = hsum(vs);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+}
+
 // softmax numerators in place over scores [rows, n]; writes each row's max and sum.
 inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* m, float* l) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores + r * n;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
-    float sum = 0.f;
-    int64_t i = 0;
-#if GPUSERV_AVX2
-    __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), vm));
-      _mm256_storeu_ps(sr + i, e);
-      vs = _mm256_add_ps(vs, e);
-    }
-    sum = hsum(vs);
-#endif
-    for (; i < n; ++i) {
-      sr[i] = std::exp(sr[i] - mx);
-      sum += sr[i];
-    }
     m[r] = mx;
-    l[r] = sum;
+    l[r] = exp_sub_rows(sr, n, mx);
   }
 }
 
@@ -148,30 +155,52 @@ inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row
 // G dot products of a K row and the G x TILE output accumulators live in registers (with a
 // runtime G they went through the stack, and every FMA waited on a store: 3-4x slower).
 // Needs D % 16 == 0 and D % TILE == 0.
+//
+// One pass over the context, kChunk tokens at a time (online softmax): a chunk's K rows are scored,
+// each head's running max, sum and weighted V are rescaled where its max grew, and the chunk's V rows
+// are added while they are in L1. Each K and V row then comes from DRAM once and in block order, and
+// the next chunk's rows are prefetched while this one is computed. (Two passes, all scores first and
+// then V swept once per head and tile, read V in strided sweeps that the hardware prefetchers did
+// not keep up with: 8 GB/s of KV at 8 sequences x 500 tokens on 2 cores, against ~2x that here.)
+// scores: [H, kChunk + 1] scratch.
 template <typename T, int G, int TILE>
 void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, float* scores) {
-  const int64_t n = it.t1 - it.t0, D = sh.D, KVH = sh.kv_heads;
-  // bf16 / fp16: while a run's K is scored, the next run's K and this run's V are prefetched into L2.
-  // The runs' blocks lie anywhere in the pool and each head reads only its 64-128 bytes of a token's
-  // row, which the hardware prefetchers did not follow: with the cache out of L3 a 32-sequence batch
-  // at context 80 took 4x as long as with it in cache. (fp32 is left as measured and recorded.)
-  constexpr bool kPrefetch = !std::is_same_v<T, float>;
-  int64_t i0 = 0;
-  for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
-    if constexpr (kPrefetch) {
-      if (i0 == 0) prefetch_rows(k, row, count, sh.row_stride);
-      const int64_t t_next = it.t0 + i0 + count;
-      if (t_next < it.t1) {
-        const int64_t off = t_next % sh.block_size;
-        prefetch_rows(k, static_cast<int64_t>(it.table[t_next / sh.block_size]) * sh.block_size + off,
-                      std::min(sh.block_size - off, it.t1 - t_next), sh.row_stride);
-      }
-      prefetch_rows(v, row, count, sh.row_stride);
+  const int64_t D = sh.D, KVH = sh.kv_heads, H = KVH * G, bs = sh.block_size;
+  constexpr int J = TILE / 8;
+  float* alpha = scores + H * kChunk;  // [H] this chunk's rescale of each head's running sums
+  std::fill(it.m, it.m + H, -std::numeric_limits<float>::infinity());
+  std::fill(it.l, it.l + H, 0.f);
+  std::fill(it.acc, it.acc + H * D, 0.f);
+  // The chunk from token t: its first cache row and token count (within one block).
+  auto chunk_at = [&](int64_t t, int64_t& row, int64_t& n) {
+    const int64_t off = t % bs;
+    n = std::min({bs - off, it.t1 - t, kChunk});
+    row = static_cast<int64_t>(it.table[t / bs]) * bs + off;
+  };
+  int64_t row, n;
+  chunk_at(it.t0, row, n);
+  prefetch_rows(k, row, n, sh.row_stride);
+  prefetch_rows(v, row, n, sh.row_stride);
+  for (int64_t t = it.t0; t < it.t1;) {
+    const int64_t t_next = t + n;
+    int64_t row_next = 0, n_next = 0;
+    if (t_next < it.t1) {
+      chunk_at(t_next, row_next, n_next);
     }
+    // The next chunk's rows are prefetched a row per scored row, spread over the chunk's work (a
+    // burst of a whole chunk's prefetches at once left the miss buffers full and most dropped).
+    const char* kn = reinterpret_cast<const char*>(k + row_next * sh.row_stride);
+    const char* vn = reinterpret_cast<const char*>(v + row_next * sh.row_stride);
+    const int64_t row_bytes = sh.row_stride * int64_t(sizeof(T));
     for (int64_t h = 0; h < KVH; ++h) {
       const float* q = it.q + h * G * D;
-      float* sc = scores + h * G * n + i0;
-      for (int64_t r = 0; r < count; ++r) {
+      float* sc = scores + h * G * kChunk;
+      for (int64_t r = 0; r < n; ++r) {
+        if (h == 0 && r < n_next)
+          for (int64_t off = 0; off < row_bytes; off += 64) {
+            _mm_prefetch(kn + r * row_bytes + off, _MM_HINT_T0);
+            _mm_prefetch(vn + r * row_bytes + off, _MM_HINT_T0);
+          }
         const T* kr = k + (row + r) * sh.row_stride + h * D;
         __m256 s0[G], s1[G];
         for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm256_setzero_ps();
@@ -182,32 +211,41 @@ void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, 
             s1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, s1[g]);
           }
         }
-        for (int g = 0; g < G; ++g) sc[g * n + r] = hsum(_mm256_add_ps(s0[g], s1[g]));
+        for (int g = 0; g < G; ++g) sc[g * kChunk + r] = hsum(_mm256_add_ps(s0[g], s1[g]));
       }
     }
-    i0 += count;
-  });
-  softmax_rows(scores, KVH * G, n, it.m, it.l);
-  constexpr int J = TILE / 8;
-  for (int64_t h = 0; h < KVH; ++h) {
-    const float* p = scores + h * G * n;
-    for (int64_t c0 = 0; c0 < D; c0 += TILE) {
-      __m256 a[G][J];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < J; ++j) a[g][j] = _mm256_setzero_ps();
-      int64_t i = 0;
-      for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
-        for (int64_t r = 0; r < count; ++r, ++i) {
+    for (int64_t hq = 0; hq < H; ++hq) {
+      float* sr = scores + hq * kChunk;
+      float mx = it.m[hq];
+      for (int64_t r = 0; r < n; ++r) mx = std::max(mx, sr[r]);
+      alpha[hq] = mx == it.m[hq] ? 1.f : std::exp(it.m[hq] - mx);  // 0 on the first chunk (m = -inf)
+      it.m[hq] = mx;
+      it.l[hq] = it.l[hq] * alpha[hq] + exp_sub_rows(sr, n, mx);
+    }
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* p = scores + h * G * kChunk;
+      for (int64_t c0 = 0; c0 < D; c0 += TILE) {
+        __m256 a[G][J];
+        for (int g = 0; g < G; ++g) {
+          float* ag = it.acc + (h * G + g) * D + c0;
+          const __m256 sg = _mm256_set1_ps(alpha[h * G + g]);
+          for (int j = 0; j < J; ++j) a[g][j] = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * j), sg);
+        }
+        for (int64_t r = 0; r < n; ++r) {
           const T* vr = v + (row + r) * sh.row_stride + h * D + c0;
           for (int j = 0; j < J; ++j) {
             const __m256 vv = load8(vr + 8 * j);
-            for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * n + i), vv, a[g][j]);
+            for (int g = 0; g < G; ++g)
+              a[g][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * kChunk + r), vv, a[g][j]);
           }
         }
-      });
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < J; ++j) _mm256_storeu_ps(it.acc + (h * G + g) * D + c0 + 8 * j, a[g][j]);
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < J; ++j) _mm256_storeu_ps(it.acc + (h * G + g) * D + c0 + 8 * j, a[g][j]);
+      }
     }
+    t = t_next;
+    row = row_next;
+    n = n_next;
   }
 }
 #endif
@@ -414,7 +452,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
   }
   at::parallel_for(0, nthreads, 1, [&](int64_t th0, int64_t th1) {
-    std::vector<float> scores(H * part_len);
+    std::vector<float> scores(H * (std::max(part_len, kChunk) + 1));
     for (int64_t it = split[th0]; it < split[th1]; ++it) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), it) - first_item.begin() - 1;
       const int64_t t0 = (it - first_item[b]) * part_len, t1 = std::min<int64_t>(lp[b], t0 + part_len);
