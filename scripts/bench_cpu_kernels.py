@@ -12,6 +12,11 @@
    on and off (off = the attention gather path and the torch layer ops),
    alternating blocks of steps, medians per step.
 
+`--baseline REV` adds a third column to the attention cases: paged_decode as it
+was at git revision REV (its paged_attention.cpp built beside the current one
+under another op namespace), alternated with the current kernel in the same
+process, for a before/after of a kernel change.
+
 Run under `nice -n 19`; the machine may be shared, so only same-process
 ratios mean much. Writes result.json and result.md to --out.
 
@@ -27,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -43,7 +49,29 @@ LAYERS_MAX = 30
 CACHE_BYTES_MAX = 1 << 30  # per case, over all its layers
 
 
-def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: int = 0) -> dict:
+def baseline_ops(rev: str):
+    """paged_decode as of git revision `rev`, built under the op namespace gpuserv_base."""
+    from torch.utils.cpp_extension import load  # only here: the bench's other cases need no compiler
+
+    root = Path(__file__).resolve().parent.parent
+    rel = cpu_kernels.CSRC.relative_to(root)
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    build = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpuserv_paged_base_{sha}"
+    build.mkdir(parents=True, exist_ok=True)
+    for name in ("paged_attention.cpp", "simd.h"):
+        text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{rel}/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        text = text.replace("TORCH_LIBRARY(gpuserv,", "TORCH_LIBRARY(gpuserv_base,")
+        text = text.replace("TORCH_LIBRARY_IMPL(gpuserv,", "TORCH_LIBRARY_IMPL(gpuserv_base,")
+        (build / name).write_text(text)
+    load(name=f"gpuserv_paged_base_{sha}", sources=[str(build / "paged_attention.cpp")],
+         extra_cflags=cpu_kernels._cflags(), extra_ldflags=["-fopenmp"], build_directory=str(build),
+         is_python_module=False, verbose=False)
+    return torch.ops.gpuserv_base
+
+
+def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: int = 0, base=None) -> dict:
     ops = cpu_kernels.get()
     torch.set_num_threads(threads)
     clock = time.perf_counter if threads > 1 else time.process_time
@@ -71,23 +99,33 @@ def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: i
         k, v = caches[layer]
         return decode_attention_torch(q, k, v, fb, scale)
 
+    def baseline(layer):
+        k, v = caches[layer]
+        return base.paged_decode(q, k, v, fb.decode_block_table, fb.decode_ctx_lens, scale)
+
     torch.testing.assert_close(kernel(0), gather(0), atol=1e-5, rtol=1e-4)
-    times = {"kernel": [], "gather": []}
+    fns = [("kernel", kernel), ("gather", gather)] + ([("baseline", baseline)] if base is not None else [])
+    times = {name: [] for name, _ in fns}
     with torch.inference_mode():
         for _ in range(2):  # warm-up
             kernel(0), gather(0)
         for r in range(reps):
-            order = [("kernel", kernel), ("gather", gather)] if r % 2 == 0 else [("gather", gather), ("kernel", kernel)]
-            for name, fn in order:
+            for name, fn in (fns if r % 2 == 0 else fns[::-1]):
                 t0 = clock()
                 for layer in range(layers):
                     fn(layer)
                 times[name].append((clock() - t0) / layers)
     k_us = statistics.median(times["kernel"]) * 1e6
     g_us = statistics.median(times["gather"]) * 1e6
-    return {"batch": batch, "ctx_lens": lens if len(set(lens)) > 1 else lens[0], "layers_cycled": layers,
-            "threads": threads, "clock": "wall" if threads > 1 else "process_cpu",
-            "reps": reps, "kernel_us": round(k_us, 1), "gather_us": round(g_us, 1), "speedup": round(g_us / k_us, 2)}
+    out = {"batch": batch, "ctx_lens": lens if len(set(lens)) > 1 else lens[0], "layers_cycled": layers,
+           "threads": threads, "clock": "wall" if threads > 1 else "process_cpu",
+           "reps": reps, "kernel_us": round(k_us, 1), "gather_us": round(g_us, 1), "speedup": round(g_us / k_us, 2),
+           # The floor: every K and V byte of the batch read once per call, at the rate this call achieved.
+           "kv_bytes": sum(lens) * KV_HEADS * HEAD_DIM * 2 * 4, "kernel_gb_s": round(sum(lens) * KV_HEADS * HEAD_DIM * 8 / k_us / 1e3, 2)}
+    if base is not None:
+        b_us = statistics.median(times["baseline"]) * 1e6
+        out.update(baseline_us=round(b_us, 1), vs_baseline=round(b_us / k_us, 2))
+    return out
 
 
 def _set_kernels(runner: ModelRunner, ops, on: bool):
@@ -150,6 +188,8 @@ def bench_command_line(doc: str, reps: int, render, extra=None) -> argparse.Name
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions (a smoke run)")
+    ap.add_argument("--baseline", metavar="REV", help="also time paged_decode as of this git revision (A/B)")
+    ap.add_argument("--attention-only", action="store_true", help="skip the whole-step cases")
     if extra is not None:
         extra(ap)
     args = ap.parse_args()
@@ -171,23 +211,24 @@ def main():
     torch.set_num_threads(2)
     status = cpu_kernels.status()
 
+    base = baseline_ops(args.baseline) if args.baseline else None
     attn = []
-    ctxs = [128, 512, 2048] if args.quick else [128, 512, 1024, 2048, 4096]
+    ctxs = [128, 512, 2048] if args.quick else [50, 128, 300, 512, 600, 1024, 2048, 4096]
     mixed = [64, 100, 200, 333, 512, 900, 1500, 2048]  # one batch of very different lengths
     for threads in (2, 1):
         for batch in (1, 8, 32):
             for ctx in ctxs:
                 if batch * ctx > 32 * 2048:
                     continue
-                attn.append(attention_case(batch, [ctx] * batch, args.reps, threads))
+                attn.append(attention_case(batch, [ctx] * batch, args.reps, threads, base=base))
                 print(json.dumps(attn[-1]), flush=True)
-        attn.append(attention_case(len(mixed), mixed, args.reps, threads))
+        attn.append(attention_case(len(mixed), mixed, args.reps, threads, base=base))
         print(json.dumps(attn[-1]), flush=True)
     torch.set_num_threads(2)
 
     steps = []
     model_dir = models_root() / args.model
-    if (model_dir / "config.json").exists():
+    if (model_dir / "config.json").exists() and not args.attention_only:
         runner = ModelRunner(model_dir, "float32", "cpu", BLOCK, 512 << 20, 4 << 30, 0.5, 8192)
         cases = [(1, 64), (1, 1024), (8, 512)] if args.quick else [(1, 64), (1, 1024), (1, 2048), (8, 128), (8, 1024), (32, 256)]
         for threads in (2, 1):
@@ -200,6 +241,7 @@ def main():
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other jobs",
         "torch": torch.__version__,
+        "baseline": args.baseline,
         "kernel_build": status,
         "attention": {"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
                                 "dtype": "float32"}, "per_layer_call": attn},
@@ -227,10 +269,12 @@ def render_md(result: dict) -> str:
           NOTES, "", *[f"- {n}" for n in result.get("notes", [])], *([""] if result.get("notes") else []),
           "## Decode attention, one layer call (SmolLM2 shape, fp32)", "",
           "Per call, averaged over the layers cycled; wall = 2 threads, wall clock; cpu = 1 thread, process CPU time.", "",
-          "| threads / clock | batch | context | kernel us | gather + SDPA us | speedup |", "|---|---|---|---|---|---|"]
+          "| threads / clock | batch | context | kernel us | KV GB/s | gather + SDPA us | speedup | "
+          f"kernel at {result.get('baseline') or '-'} us | new / old |", "|---|---|---|---|---|---|---|---|---|"]
     for a in attn:
         md.append(f"| {a['threads']} / {a['clock']} | {a['batch']} | {a['ctx_lens']} | {a['kernel_us']} | "
-                  f"{a['gather_us']} | {a['speedup']}x |")
+                  f"{a.get('kernel_gb_s', '-')} | {a['gather_us']} | {a['speedup']}x | {a.get('baseline_us', '-')} | "
+                  f"{str(a['vs_baseline']) + 'x' if 'vs_baseline' in a else '-'} |")
     if steps:
         md += ["", f"## Whole decode step, {result['decode_step']['model']} fp32 (kernels = paged attention + fused layer ops)", "",
                "| threads / clock | batch | context | kernels ms | torch ms | speedup |", "|---|---|---|---|---|---|"]
