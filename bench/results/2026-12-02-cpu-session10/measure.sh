@@ -10,7 +10,7 @@ BASE=/work/wt/base10   # main at the start of the session (47aca1a)
 log() { echo "== $(date +%T) $*" | tee -a $R/measure.log; }
 load() { echo "   load: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a $R/measure.log; }
 lscpu | grep -E "Model name|Flags" | cut -c1-400 > $R/cpu.txt; git rev-parse HEAD > $R/commit.txt
-cp /work/wt/final10/measure.sh /work/wt/final10/steps.py /work/wt/final10/raw_scrape_client.py $R/
+cp /work/wt/final10/measure.sh /work/wt/final10/steps.py $R/
 
 log "1. decode steps at 1/8/24/48 sequences (and 8 x ~500 tokens), base 47aca1a vs main, alternated"; load
 mkdir -p $R/steps
