@@ -214,7 +214,7 @@ class Models:
             isolation = self.sharing.isolation(cfg.isolation)  # process: an engine worker process (mps: always)
             if isolation == "process" and base is not None:
                 raise UserError(f"model {name} is a variant of {base}: it runs on its weights in the daemon's memory, "
-                                "which an engine worker process cannot share; load it with engine.isolation: thread")
+                                "which an engine worker process cannot share; use engine.isolation: thread, not mps")
             handle = self.sharing.attach(name, slot.device, isolation)  # the plan is redone with it; its arbiter
         except Exception as exc:
             self._load_failed(slot, exc)
