@@ -67,6 +67,20 @@ inline __m256i lane_mask(int n) {  // lanes [0, n) set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// One k step of the tile: a[m] += x[m * ldx] * w[0..15] for the MR rows (the panel's 16 columns in two
+// registers, each x element broadcast once).
+template <int MR>
+inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, const float* w, __m256* a0,
+                                                 __m256* a1) {
+  const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xb = _mm256_broadcast_ss(x + m * ldx);
+    a0[m] = _mm256_fmadd_ps(w0, xb, a0[m]);
+    a1[m] = _mm256_fmadd_ps(w1, xb, a1[m]);
+  }
+}
+
 // MR rows of x (row stride ldx, from column k0) against one panel slice w [kc][16].
 // pf: pf_lines 64-byte lines to prefetch into L2, one per k step from the first.
 template <int MR>
@@ -92,22 +106,10 @@ inline void micro(const float* __restrict x, int64_t ldx, const float* __restric
   int64_t k = 0;
   for (; k < npf; ++k) {
     _mm_prefetch(pf + k * 64, _MM_HINT_T1);
-    const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-#pragma GCC unroll 12
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
-      a0[m] = _mm256_fmadd_ps(w0, xb, a0[m]);
-      a1[m] = _mm256_fmadd_ps(w1, xb, a1[m]);
-    }
+    rank1<MR>(x + k, ldx, w + k * kPanel, a0, a1);
   }
   for (; k < kc; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-#pragma GCC unroll 12
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
-      a0[m] = _mm256_fmadd_ps(w0, xb, a0[m]);
-      a1[m] = _mm256_fmadd_ps(w1, xb, a1[m]);
-    }
+    rank1<MR>(x + k, ldx, w + k * kPanel, a0, a1);
   }
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
   if (o.last && o.bias) {

@@ -151,6 +151,24 @@ inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
+// The G query heads of one KV head (q [G][D]) against one K row: out[g * stride] = q[g] . kr, both item
+// kinds' score loop (two 8-lane accumulators per head, summed once at the end).
+template <typename T, int G>
+inline __attribute__((always_inline)) void group_scores(const float* q, const T* kr, int64_t D, float* out,
+                                                        int64_t stride) {
+  using gpuserv_simd::load8;
+  __m256 s0[G], s1[G];
+  for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m256 k0 = load8(kr + c), k1 = load8(kr + c + 8);
+    for (int g = 0; g < G; ++g) {
+      s0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k0, s0[g]);
+      s1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, s1[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g * stride] = hsum(_mm256_add_ps(s0[g], s1[g]));
+}
+
 // bf16 / fp16 items: all of the item's scores first, then V swept once per head and tile. (The one-pass
 // item below, used for fp32, rounds differently where a head's running sums are rescaled; in bf16 that
 // moved SmolLM2's logits off transformers' by more than test_bf16_kernels allows, so these keep the
@@ -179,17 +197,7 @@ void attend_item_two_pass(const Item& it, const T* k, const T* v, const Shape& s
       const float* q = it.q + h * G * D;
       float* sc = scores + h * G * n + i0;
       for (int64_t r = 0; r < count; ++r) {
-        const T* kr = k + (row + r) * sh.row_stride + h * D;
-        __m256 s0[G], s1[G];
-        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-          const __m256 k0 = load8(kr + c), k1 = load8(kr + c + 8);
-          for (int g = 0; g < G; ++g) {
-            s0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k0, s0[g]);
-            s1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, s1[g]);
-          }
-        }
-        for (int g = 0; g < G; ++g) sc[g * n + r] = hsum(_mm256_add_ps(s0[g], s1[g]));
+        group_scores<T, G>(q, k + (row + r) * sh.row_stride + h * D, D, sc + r, n);
       }
     }
     i0 += count;
@@ -272,17 +280,7 @@ void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, 
             _mm_prefetch(kn + r * row_bytes + off, _MM_HINT_T0);
             _mm_prefetch(vn + r * row_bytes + off, _MM_HINT_T0);
           }
-        const T* kr = k + (row + r) * sh.row_stride + h * D;
-        __m256 s0[G], s1[G];
-        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-          const __m256 k0 = load8(kr + c), k1 = load8(kr + c + 8);
-          for (int g = 0; g < G; ++g) {
-            s0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k0, s0[g]);
-            s1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, s1[g]);
-          }
-        }
-        for (int g = 0; g < G; ++g) sc[g * kChunk + r] = hsum(_mm256_add_ps(s0[g], s1[g]));
+        group_scores<T, G>(q, k + (row + r) * sh.row_stride + h * D, D, sc + r, kChunk);
       }
     }
     for (int64_t hq = 0; hq < H; ++hq) {
