@@ -8,6 +8,11 @@ the prompt as token ids, `max_tokens` = the request's output length,
 Only the server-specific extras differ (`Endpoint.extra_body`, e.g. gpuserv's
 `detokenize: false`).
 
+The streams are read by sse_stream.py (an asyncio Protocol, not httpx): the
+client shares the CPUs with the server it measures, so its CPU per event is
+kept small; it costs every server the same. `Endpoint.client()` (httpx) is
+for the few plain calls around a run (status, warm-up checks).
+
 A token exists, for timing, when the SSE chunk carrying it arrives. Each
 request's output length is checked: the server's own `usage.completion_tokens`
 when it sends one, else the tokens counted in the stream (token ids when the
@@ -27,6 +32,7 @@ import httpx
 import orjson
 
 from gpuservd.bench.records import RequestTiming
+from gpuservd.bench.sse_stream import StreamFailed, post_sse
 
 # Long requests on a loaded 2-core machine can go quiet for minutes while a burst's prefills run, but a
 # server that has died must not hang the benchmark forever.
@@ -88,13 +94,10 @@ class StreamCount:
         return None
 
 
-def count_chunk(line: str, count: StreamCount, now: float) -> None:
-    """Fold one SSE line into `count` (lines that are not `data: {...}` are ignored)."""
-    if not line.startswith("data:"):
-        return
-    payload = line[5:].strip()
-    if not payload.startswith("{"):
-        return  # "[DONE]" or a keep-alive
+def count_chunk(payload: bytes, count: StreamCount, now: float) -> None:
+    """Fold one SSE `data:` payload into `count` (payloads that are not a JSON object are ignored)."""
+    if not payload.startswith(b"{"):
+        return  # "[DONE]"
     chunk = orjson.loads(payload)  # the client shares the CPUs with the server it measures: parse fast
     added = 0
     for choice in chunk.get("choices") or ():
@@ -116,16 +119,13 @@ def count_chunk(line: str, count: StreamCount, now: float) -> None:
             count.first_token_at = now
 
 
-async def stream_one(client: httpx.AsyncClient, endpoint: Endpoint, body: dict) -> StreamCount:
-    """POST one streaming completion and count what comes back; raises on an HTTP error status."""
+async def stream_one(endpoint: Endpoint, body: dict) -> StreamCount:
+    """POST one streaming completion and count what comes back; raises StreamFailed on an HTTP error
+    status or a broken stream, OSError when the server can not be reached."""
     count = StreamCount()
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}",
-                                        request=resp.request, response=resp)
-        async for line in resp.aiter_lines():
-            if line:
-                count_chunk(line, count, time.perf_counter())
+    clock = time.perf_counter
+    await post_sse(endpoint.base_url, endpoint.uds, "/v1/completions", orjson.dumps(body),
+                   lambda payload: count_chunk(payload, count, clock()), read_timeout_s=READ_TIMEOUT_S)
     return count
 
 
@@ -148,11 +148,11 @@ class Replay:
                 "num_failed": len(self.errors)}
 
 
-async def _timed(client, endpoint: Endpoint, r, t0: float, out: Replay, sources: set) -> None:
+async def _timed(endpoint: Endpoint, r, t0: float, out: Replay, sources: set) -> None:
     await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
     try:
-        count = await stream_one(client, endpoint, endpoint.body(r.prompt_token_ids, r.output_tokens, r))
-    except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+        count = await stream_one(endpoint, endpoint.body(r.prompt_token_ids, r.output_tokens, r))
+    except (StreamFailed, OSError, orjson.JSONDecodeError) as exc:
         out.errors.append(f"{r.request_id}: {type(exc).__name__}: {exc}")
         return
     done = time.perf_counter() - t0
@@ -165,36 +165,28 @@ async def _timed(client, endpoint: Endpoint, r, t0: float, out: Replay, sources:
                                      len(r.prompt_token_ids), count.tokens))
 
 
-async def replay_async(endpoint: Endpoint, requests: Sequence, client: httpx.AsyncClient | None = None) -> Replay:
+async def replay_async(endpoint: Endpoint, requests: Sequence) -> Replay:
     """Send every request at its arrival offset (concurrently) and time each; see the module doc."""
-    own = client is None
-    client = client or endpoint.client()
-    try:
-        out = Replay(0.0, [], [], [], "")
-        sources: set[str] = set()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(_timed(client, endpoint, r, t0, out, sources) for r in requests))
-        out.wall_s = time.perf_counter() - t0
-    finally:
-        if own:
-            await client.aclose()
+    out = Replay(0.0, [], [], [], "")
+    sources: set[str] = set()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_timed(endpoint, r, t0, out, sources) for r in requests))
+    out.wall_s = time.perf_counter() - t0
     out.count_source = "+".join(sorted(sources))
     out.timings.sort(key=lambda t: t.request_id)
     return out
 
 
-async def warm_up(endpoint: Endpoint, client: httpx.AsyncClient, prompt_token_ids: Sequence[int],
-                  max_tokens: int = 4) -> StreamCount:
+async def warm_up(endpoint: Endpoint, prompt_token_ids: Sequence[int], max_tokens: int = 4) -> StreamCount:
     """One short request before the clock starts (first-call kernel set-up is not measured)."""
-    return await stream_one(client, endpoint, endpoint.body(prompt_token_ids, max_tokens))
+    return await stream_one(endpoint, endpoint.body(prompt_token_ids, max_tokens))
 
 
 def replay(endpoint: Endpoint, requests: Sequence, warm_prompt: Sequence[int] | None = None) -> Replay:
     """replay_async in a fresh event loop, after a warm-up request when `warm_prompt` is given."""
     async def run() -> Replay:
-        async with endpoint.client() as client:
-            if warm_prompt is not None:
-                await warm_up(endpoint, client, warm_prompt)
-            return await replay_async(endpoint, requests, client)
+        if warm_prompt is not None:
+            await warm_up(endpoint, warm_prompt)
+        return await replay_async(endpoint, requests)
 
     return asyncio.run(run())

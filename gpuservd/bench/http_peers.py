@@ -32,13 +32,12 @@ SHOWN_ENV = ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"
 
 def _replay_sampled(server: ServerProcess, endpoint: Endpoint, requests: Sequence, warm_prompt):
     async def run():
-        async with endpoint.client() as client:
-            await warm_up(endpoint, client, warm_prompt)
-            sampler = TreeSampler(server.pid).start()
-            try:
-                return await replay_async(endpoint, requests, client), sampler
-            finally:
-                sampler.stop()
+        await warm_up(endpoint, warm_prompt)
+        sampler = TreeSampler(server.pid).start()
+        try:
+            return await replay_async(endpoint, requests), sampler
+        finally:
+            sampler.stop()
 
     return asyncio.run(run())
 

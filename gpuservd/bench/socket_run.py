@@ -40,10 +40,10 @@ def _steps(status: dict) -> int:
 
 async def _run(endpoint: Endpoint, requests: Sequence) -> SystemRun:
     async with endpoint.client() as c:
-        await warm_up(endpoint, c, list(range(100, 116)))
+        await warm_up(endpoint, list(range(100, 116)))
         before = (await c.get("/admin/status")).json()
         client0 = time.process_time()
-        rep = await replay_async(endpoint, requests, c)
+        rep = await replay_async(endpoint, requests)
         client_cpu = time.process_time() - client0
         after = (await c.get("/admin/status")).json()
     check = rep.token_check(requests)
