@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -31,11 +32,13 @@ SHOWN_ENV = ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def _replay_sampled(server: ServerProcess, endpoint: Endpoint, requests: Sequence, warm_prompt):
+    """(replay, the server tree's sampler, this client's CPU seconds during the replay)."""
     async def run():
         await warm_up(endpoint, warm_prompt)
         sampler = TreeSampler(server.pid).start()
+        client0 = time.process_time()
         try:
-            return await replay_async(endpoint, requests), sampler
+            return await replay_async(endpoint, requests), sampler, time.process_time() - client0
         finally:
             sampler.stop()
 
@@ -48,13 +51,16 @@ def run_server(system: str, spec: ServerSpec, endpoint: Endpoint, requests: Sequ
     `info` (version, settings) goes into the run's extra beside what was measured."""
     warm_prompt = list(requests[0].prompt_token_ids[:16]) if requests else [100] * 8
     with ServerProcess(spec, log_path) as server:
-        rep, sampler = _replay_sampled(server, endpoint, requests, warm_prompt)
+        rep, sampler, client_cpu_s = _replay_sampled(server, endpoint, requests, warm_prompt)
     check = rep.token_check(requests)
+    tokens = sum(t.output_tokens for t in rep.timings)
     env = {k: v for k, v in spec.env.items() if k in SHOWN_ENV}
     extra = {"target": "http", "transport": endpoint.transport, "command": shlex.join(spec.cmd), "env": env,
              "ready_s": server.ready_s, "server_log": str(log_path), "errors": rep.errors,
              "token_check": check, "outputs_exact": check["ok"], **info,
-             **sampler.summary(sum(t.output_tokens for t in rep.timings))}
+             **sampler.summary(tokens),
+             # The client shares the cores with the server: what it took is what the server could not use.
+             "client_cpu_ms_per_token": round(1000 * client_cpu_s / tokens, 4) if tokens else None}
     return SystemRun(system, rep.wall_s, rep.timings, extra)
 
 

@@ -23,7 +23,8 @@ def http_vs_inprocess(systems: dict) -> dict:
     if not http or not inproc or not _tps(inproc):
         return {}
     return {"throughput_ratio": _tps(http) / _tps(inproc), "http_tok_s": _tps(http), "inprocess_tok_s": _tps(inproc),
-            "http_server_cpu_ms_per_token": http["extra"].get("server_cpu_ms_per_token")}
+            "http_server_cpu_ms_per_token": http["extra"].get("server_cpu_ms_per_token"),
+            "http_client_cpu_ms_per_token": http["extra"].get("client_cpu_ms_per_token")}
 
 
 def _fmt(x, spec="{:.2f}") -> str:
@@ -56,7 +57,9 @@ def http_lines(result: dict) -> list[str]:
                 lines.append(f"- {HTTP_OURS} / {peer}: {_fmt(r['throughput'], '{:.2f}x')} tok/s; {p99}")
         hi = result.get("http_inprocess") or {}
         if hi:
-            lines.append(f"- {HTTP_OURS} / gpuserv in-process: {_fmt(hi['throughput_ratio'], '{:.3f}x')} tok/s")
+            lines.append(f"- {HTTP_OURS} / gpuserv in-process: {_fmt(hi['throughput_ratio'], '{:.3f}x')} tok/s; "
+                         f"the bench's client took {_fmt(hi.get('http_client_cpu_ms_per_token'), '{:.3f}')} ms "
+                         "of CPU per token beside the server")
         for name, s in http.items():
             lines.append(f"- {name}: `{s['extra'].get('command', '')}`")
     for name, reason in (result.get("skipped") or {}).items():
