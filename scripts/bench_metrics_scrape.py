@@ -25,6 +25,11 @@ a 2-core box under load) is then inside every latency. Before the streams start,
 back-to-back GETs of /metrics and of /health are counted against the daemon's event-loop CPU
 (/admin/status `process.loop_cpu_s`): what one scrape costs the loop, in CPU time, which a loaded
 machine does not distort the way it distorts wall time.
+
+`decomposition` splits the slowest 5% of the scrapes (and all of them) into the event loop thread's wait
+for a core (its schedstat run delay over the scrape: the daemon's pid comes from the Unix socket's peer),
+its CPU, the render's CPU (the response's Server-Timing header) and the rest, when the thread was asleep:
+waiting for the GIL.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import multiprocessing
 import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -83,11 +89,19 @@ class RawScraper:
             buf += chunk
         head, body = buf.split(b"\r\n\r\n", 1)
         lines = head.split(b"\r\n")
-        length = next(int(v) for k, _, v in (line.partition(b":") for line in lines[1:])
-                      if k.strip().lower() == b"content-length")
+        self.headers = {k.strip().lower().decode(): v.strip().decode()
+                        for k, _, v in (line.partition(b":") for line in lines[1:])}
+        length = int(self.headers["content-length"])
         while len(body) < length:
             body += self.sock.recv(max(65536, length - len(body)))
         return int(lines[0].split()[1]), body
+
+    def peer_pid(self) -> int | None:
+        """The daemon's pid when it is on this machine (a Unix socket), for its event loop's schedstat."""
+        if self.sock.family != socket.AF_UNIX:
+            return None
+        cred = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", cred)[0] or None
 
     def close(self) -> None:
         self.sock.close()
@@ -96,10 +110,15 @@ class RawScraper:
 class HttpxScraper:
     def __init__(self, args):
         self.client = _client(args)
+        self.headers = {}
 
     def get(self, path: str) -> tuple[int, bytes]:
         r = self.client.get(path)
+        self.headers = r.headers
         return r.status_code, r.content
+
+    def peer_pid(self) -> int | None:
+        return None
 
     def close(self) -> None:
         self.client.close()
@@ -158,6 +177,51 @@ def _wait_ready(args, models: list[str], timeout_s: float = 300.0) -> None:
             c.post("/v1/completions", json={"model": m, "prompt": "hi", "max_tokens": 2}).raise_for_status()
 
 
+def _schedstat(pid: int | None) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for a CPU) of the daemon's main thread, which runs its event loop."""
+    if pid is None:
+        return None
+    try:
+        run, wait, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(run), int(wait)
+
+
+def _server_timing(headers) -> dict[str, float]:
+    """`render;dur=1.2, render-cpu;dur=1.0` -> {"render": 1.2, "render-cpu": 1.0} (ms)."""
+    out = {}
+    for item in (headers.get("server-timing") or "").split(","):
+        name, _, params = item.strip().partition(";")
+        for p in params.split(";"):
+            k, _, v = p.strip().partition("=")
+            if k == "dur":
+                out[name] = float(v)
+    return out
+
+
+def _decompose(rows: list[dict]) -> dict:
+    """Where the slowest 5% of the scrapes (and all of them) spent their time, means in ms. `loop_runq`: the
+    event loop's thread runnable but waiting for a core (wake-up delay, preemption); `loop_cpu_other`: its
+    CPU besides the render (HTTP parsing and writing, and whatever else the loop ran meanwhile); `render_cpu`;
+    `rest`: the thread neither running nor runnable (asleep: waiting for the GIL) plus the kernel's and the
+    scraper's share. `render_off_cpu` (inside the others): the render's wall above its CPU."""
+    rows = [r for r in rows if "runq" in r and "render" in r]
+    if not rows:
+        return {}
+    rows.sort(key=lambda r: r["e2e"])
+    out = {}
+    for label, part in (("slowest5pct", rows[int(0.95 * len(rows)):]), ("all", rows)):
+        def mean(f):
+            return round(statistics.fmean(f(r) for r in part), 3)
+        out[label] = {"scrapes": len(part), "e2e_ms": mean(lambda r: r["e2e"]),
+                      "loop_runq_ms": mean(lambda r: r["runq"]), "render_cpu_ms": mean(lambda r: r["render_cpu"]),
+                      "loop_cpu_other_ms": mean(lambda r: max(0.0, r["loop_cpu"] - r["render_cpu"])),
+                      "rest_ms": mean(lambda r: max(0.0, r["e2e"] - r["runq"] - max(r["loop_cpu"], r["render_cpu"]))),
+                      "render_off_cpu_ms": mean(lambda r: max(0.0, r["render"] - r["render_cpu"]))}
+    return out
+
+
 def _cpu(c) -> dict:
     return c.get("/admin/status").json().get("process") or {}
 
@@ -191,15 +255,25 @@ def main() -> int:
     streams = ctx.Process(target=_streams, args=(args, models, stop, tokens), daemon=True)
     streams.start()
     time.sleep(2.0)  # the streams are under way before the first scrape
-    latencies, health, failed, size, series = [], [], 0, 0, 0
+    latencies, health, failed, size, series, parts = [], [], 0, 0, 0, []
+    pid = scraper.peer_pid()
     with _client(args) as c:
         cpu_before = _cpu(c)
         period, t_next, end = 1.0 / args.rate, time.monotonic(), time.monotonic() + args.seconds
         start_tokens = tokens.value
         while time.monotonic() < end:
+            s0 = _schedstat(pid)
             t0 = time.perf_counter()
             status, body = scraper.get("/metrics")
             latencies.append(time.perf_counter() - t0)
+            s1 = _schedstat(pid)
+            row = {"e2e": latencies[-1] * 1e3}
+            timing = _server_timing(scraper.headers)
+            if "render" in timing and "render-cpu" in timing:
+                row.update(render=timing["render"], render_cpu=timing["render-cpu"])
+            if s0 and s1:
+                row.update(loop_cpu=(s1[0] - s0[0]) / 1e6, runq=(s1[1] - s0[1]) / 1e6)
+            parts.append(row)
             if status != 200:
                 failed += 1
             size = len(body)
@@ -223,7 +297,8 @@ def main() -> int:
               "p50_ms": round(statistics.median(ms), 3), "p99_ms": p99(ms), "max_ms": round(ms[-1], 3),
               "health_p50_ms": round(statistics.median(hs), 3), "health_p99_ms": p99(hs),
               "body_bytes": size, "series": series, "clients": args.clients,
-              "tokens_per_s_meanwhile": round(received / args.seconds, 1), **idle}
+              "tokens_per_s_meanwhile": round(received / args.seconds, 1), **idle,
+              "decomposition": _decompose(parts)}
     if cpu_before and cpu_after and received:
         for key in ("cpu_s", "loop_cpu_s"):
             result[f"daemon_{key}_per_token"] = round((cpu_after[key] - cpu_before[key]) / received, 6)

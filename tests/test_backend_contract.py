@@ -151,6 +151,20 @@ def test_fast_exposition_parses_to_what_prometheus_client_renders(home):
     run_in_app(check, CONFIG, load=["tiny", "tiny2"])
 
 
+def test_metrics_says_its_render_time_in_server_timing(home):
+    """A scraper splits a slow scrape into the render and the wait around it (scripts/bench_metrics_scrape.py)."""
+    async def check(client, serving):
+        await complete(client, "tiny")
+        r = await client.get("/metrics")
+        assert r.status_code == 200
+        parts = dict(item.strip().split(";dur=") for item in r.headers["server-timing"].split(","))
+        assert set(parts) == {"render", "render-cpu"}, r.headers["server-timing"]
+        assert all(float(v) >= 0 for v in parts.values()), parts
+        assert families(r.text)["vllm:num_requests_running"]  # the body is the exposition, as before
+
+    run_in_app(check, CONFIG, load=["tiny", "tiny2"])
+
+
 def test_requests_waiting_for_their_model_load_count_as_waiting(home):
     gate = asyncio.Event()
 

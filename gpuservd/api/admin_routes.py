@@ -81,7 +81,14 @@ def _probe_routes(serving: Serving) -> list[Route]:
 
     @endpoint(public=lambda _request: serving.config.server.metrics_public)
     async def metrics(request: Request):
-        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+        # Server-Timing: the render's wall and CPU time on the event loop's thread, so that a scraper can
+        # tell a slow render from a slow wake-up or a wait for the GIL around it (a wall above the CPU: the
+        # thread lost its core or the GIL mid-render).
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        body = request.app.state.metrics.render()
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        timing = f"render;dur={wall * 1e3:.3f}, render-cpu;dur={cpu * 1e3:.3f}"
+        return Response(body, media_type=CONTENT_TYPE, headers={"Server-Timing": timing})
 
     return [
         Route("/health", health, methods=["GET"]),

@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from gpuservd.engine.calls import EngineFacts
 from gpuservd.errors import UserError
 from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
+from gpuservd.runner.omp import PoolPriority
 
 log = logging.getLogger("gpuservd.engine.loop")
 
@@ -276,6 +277,7 @@ class EngineLoop:
             return
         engine.telemetry.subscribe(self._records.append)
         engine.interrupt = self._urgent_waiting
+        pool = PoolPriority()  # this thread's OpenMP workers yield to the event loop (runner/omp.py)
         if self.arbiter is not None:
             engine.yield_point = self.arbiter.between_layers
         self._beat()
@@ -317,6 +319,7 @@ class EngineLoop:
                 finally:
                     if seat is not None:
                         seat.leave()
+                    pool.after_step()
                     if arbiter is not None:
                         arbiter.end_step(decode_only=all(not r.num_prefill_tokens for r in self._records))
                 self._row_failed.update(engine.rows.take())  # their abort outputs may come a step later

@@ -14,6 +14,9 @@ thread of the daemon that may touch a tensor runs its ops on itself alone (`use_
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 # torch's own choice for this process (OMP_NUM_THREADS, else its count of cores), read once at import,
@@ -32,3 +35,87 @@ def use_threads(n: int | None) -> int:
     torch.get_num_threads()
     torch.set_num_threads(n)
     return n
+
+
+# The OpenMP pool's worker threads run at a lower CPU priority than the daemon's Python threads
+# (GPUSERV_OMP_WORKER_PRIORITY: a nice value 0-19, 0 leaving them as they are, or "idle" for Linux's
+# SCHED_IDLE policy). On a machine whose cores the engines' teams fill, the event loop's thread wakes (a
+# scrape, a new request, a token to write) to find every core held by a team thread of the same priority,
+# and waits for one to end its time slice. A lowered worker is preempted on the loop's wake-up instead; a
+# SCHED_IDLE one also leaves its core counted as idle when the kernel picks a core for the waking thread.
+# Only the pool's workers are lowered: the engine's own thread runs Python and holds the GIL between ops,
+# and a lowered GIL holder would keep the event loop waiting longer still.
+WORKER_PRIORITY_ENV = "GPUSERV_OMP_WORKER_PRIORITY"
+IDLE = "idle"
+DEFAULT_WORKER_PRIORITY = IDLE
+
+
+def worker_priority() -> int | str:
+    """The workers' nice value, or "idle"."""
+    raw = os.environ.get(WORKER_PRIORITY_ENV, "").strip().lower() or str(DEFAULT_WORKER_PRIORITY)
+    if raw == IDLE:
+        return IDLE if hasattr(os, "SCHED_IDLE") else 19
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{WORKER_PRIORITY_ENV} must be a nice value 0-19 or 'idle', got {raw!r}") from None
+    if not 0 <= value <= 19:
+        raise ValueError(f"{WORKER_PRIORITY_ENV} must be a nice value 0-19 or 'idle', got {value}")
+    return value
+
+
+def _lower(tid: int, priority: int | str) -> bool:
+    """Lower one thread (a thread id: Linux applies both calls to that thread alone); False if it already was."""
+    if priority == IDLE:
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            return False
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    if os.getpriority(os.PRIO_PROCESS, tid) >= priority:
+        return False
+    os.setpriority(os.PRIO_PROCESS, tid, priority)
+    return True
+
+
+def demote_pool_workers(priority: int | str) -> list[int]:
+    """Lower this process's threads that Python does not run (libgomp's team workers; also any other
+    native pool's threads, which hold no GIL either) to `priority`; returns the thread ids changed.
+    Python's threads, the engine's among them, keep theirs."""
+    if not priority or not os.path.isdir("/proc/self/task"):
+        return []
+    python_threads = {t.native_id for t in threading.enumerate()} | {threading.get_native_id()}
+    changed = []
+    for entry in os.listdir("/proc/self/task"):
+        tid = int(entry)
+        if tid in python_threads:
+            continue
+        try:
+            if _lower(tid, priority):
+                changed.append(tid)
+        except OSError:  # the thread exited since the listing
+            continue
+    return changed
+
+
+class PoolPriority:
+    """The process's OpenMP workers lowered after the step that created them.
+
+    libgomp creates a thread's workers at its first parallel region with a given team size and keeps them
+    while the thread lives: the process is swept after a step whenever its thread count has changed since
+    the last sweep (one directory listing a step otherwise)."""
+
+    def __init__(self, priority: int | str | None = None):
+        self.priority = worker_priority() if priority is None else priority
+        self._threads = 0
+
+    def after_step(self) -> None:
+        if not self.priority:
+            return
+        try:
+            n = len(os.listdir("/proc/self/task"))
+        except OSError:  # no /proc: nothing to lower
+            self.priority = 0
+            return
+        if n != self._threads:
+            self._threads = n
+            demote_pool_workers(self.priority)

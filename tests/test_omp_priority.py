@@ -1,0 +1,114 @@
+"""The OpenMP pool's worker threads run at a lower CPU priority than the daemon's Python threads
+(runner/omp.py PoolPriority; SCHED_IDLE by default, or a nice value): the event loop preempts a worker
+when it wakes, while the engine's own thread, which holds the GIL between ops, keeps its priority. Checked in a fresh process (nice values are
+per thread and a test process's other threads would be in the sweep)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuservd.runner.omp import DEFAULT_THREADS, WORKER_PRIORITY_ENV, worker_priority
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r"""
+import json, os, sys, threading
+from pathlib import Path
+
+import torch
+
+from gpuservd.engine.loop import EngineLoop, Submission
+from gpuservd.engine.request import RequestOutput, SamplingParams
+sys.path.insert(0, sys.argv[2])
+from test_engine import make_engine
+from test_stream_path import _RecordingLoop
+
+done = threading.Event()
+engine_tid = []
+
+class Hooks:
+    def on_step(self, model, record, outputs):
+        if not engine_tid:  # on the engine thread: a parallel op on its full team makes the pool's workers
+            engine_tid.append(threading.get_native_id())
+            torch.ones(1 << 22).exp_()
+
+    def on_abort(self, model, output):
+        pass
+
+class Sink:
+    def put(self, item):
+        if isinstance(item, RequestOutput) and item.finished:
+            done.set()
+
+loop = EngineLoop("tiny", lambda: make_engine(Path(sys.argv[1])), _RecordingLoop(),
+                  lambda d, e: [s.put(i) for s, i in d], hooks=Hooks())
+loop.submit(Submission("r1", [3, 4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True), Sink()))
+loop.start()
+assert done.wait(120)
+def level(t):  # "idle" for SCHED_IDLE, else the nice value
+    return "idle" if os.sched_getscheduler(t) == os.SCHED_IDLE else os.getpriority(os.PRIO_PROCESS, t)
+nice = {int(t): level(int(t)) for t in os.listdir("/proc/self/task")}
+python = sorted(t.native_id for t in threading.enumerate())
+loop.stop()
+print(json.dumps({"nice": nice, "python": python, "engine": engine_tid[0], "main": threading.get_native_id()}))
+"""
+
+
+def _run(tiny_model_dir, nice: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != WORKER_PRIORITY_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    if nice is not None:
+        env[WORKER_PRIORITY_ENV] = nice
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(ROOT / "tests")], capture_output=True,
+                       text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got["nice"] = {int(k): v for k, v in got["nice"].items()}
+    return got
+
+
+@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
+@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
+def test_the_pools_workers_are_lowered_and_the_python_threads_are_not(tiny_model_dir):
+    got = _run(tiny_model_dir, "7")
+    workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
+    assert workers, got  # the engine's team made at least one worker thread
+    assert set(workers.values()) == {7}, got
+    assert got["nice"][got["engine"]] == 0 and got["nice"][got["main"]] == 0, got
+    assert all(got["nice"][t] == 0 for t in got["python"] if t in got["nice"]), got
+
+
+@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
+@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
+def test_nice_zero_leaves_every_thread_as_it_was(tiny_model_dir):
+    got = _run(tiny_model_dir, "0")
+    assert len(got["nice"]) > len(got["python"]) and set(got["nice"].values()) == {0}, got
+
+
+@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
+def test_by_default_the_workers_run_under_sched_idle(tiny_model_dir):
+    got = _run(tiny_model_dir, None)
+    workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
+    assert workers and set(workers.values()) == {"idle"}, got
+    assert got["nice"][got["engine"]] == 0 and got["nice"][got["main"]] == 0, got
+
+
+def test_a_bad_priority_says_what_to_set(monkeypatch):
+    monkeypatch.setenv(WORKER_PRIORITY_ENV, "high")
+    with pytest.raises(ValueError, match=WORKER_PRIORITY_ENV):
+        worker_priority()
+    monkeypatch.setenv(WORKER_PRIORITY_ENV, "25")
+    with pytest.raises(ValueError, match="0-19 or 'idle'"):
+        worker_priority()
+    monkeypatch.setenv(WORKER_PRIORITY_ENV, " IDLE ")
+    assert worker_priority() == "idle"
+    monkeypatch.setenv(WORKER_PRIORITY_ENV, "")
+    assert worker_priority() == "idle"
