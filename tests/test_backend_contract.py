@@ -165,6 +165,29 @@ def test_metrics_says_its_render_time_in_server_timing(home):
     run_in_app(check, CONFIG, load=["tiny", "tiny2"])
 
 
+def test_the_sharing_rows_metrics_reads_are_what_the_status_shows(home):
+    """/metrics reads the arbiter's counters and the quotas through SharingManager.metric_rows(), not the
+    whole status: the same numbers."""
+    async def check(client, serving):
+        await complete(client, "tiny")
+        await complete(client, "tiny2")
+        rows, st = serving.sharing.metric_rows(), serving.sharing.status()
+        assert rows["arbiter"]["enabled"] == st["arbiter"]["enabled"]
+        if st["arbiter"]["enabled"]:
+            assert set(rows["arbiter"]["models"]) == set(st["arbiter"]["models"]) == {"tiny", "tiny2"}
+            for name, x in rows["arbiter"]["models"].items():
+                full = st["arbiter"]["models"][name]
+                assert {k: full[k] for k in ("run_s", "wait_s", "num_slices", "duty")} == \
+                    {k: x[k] for k in ("run_s", "wait_s", "num_slices", "duty")}, name
+                assert x["usage"] == pytest.approx(full["usage"], abs=0.01)  # decays between the two reads
+            assert rows["arbiter"]["switch_s"] == st["arbiter"]["switch_s"]
+        assert {n: (q["quota"], q.get("used_bytes")) for n, q in st["quotas"].items()} == \
+            {n: (q["quota"], q["used_bytes"]) for n, q in rows["quotas"].items()}
+        assert rows["quotas"] and all(q["used_bytes"] for q in rows["quotas"].values())
+
+    run_in_app(check, CONFIG, load=["tiny", "tiny2"])
+
+
 def test_requests_waiting_for_their_model_load_count_as_waiting(home):
     gate = asyncio.Event()
 

@@ -91,7 +91,7 @@ class GaugeCollector:
         yield from _daemon_gauges(serving)
         yield from _cache_metrics(serving.cache)
         yield from _hint_gauges(serving.hints)
-        yield from _sharing_metrics(serving.sharing.status())
+        yield from _sharing_metrics(serving.sharing.metric_rows())
 
 
 def _load_gauges(serving, slots):
@@ -206,7 +206,7 @@ def _hint_gauges(monitor):
 
 
 def _sharing_metrics(st: dict):
-    """The arbiter (time slices, bandwidth priority) and memory quotas, per model; no arbiter series when off."""
+    """SharingManager.metric_rows(): the arbiter (time slices, bandwidth priority) and memory quotas, per model; no arbiter series when off."""
     arb = st["arbiter"]
     if arb.get("enabled"):
         run = _counter("gpuserv_arbiter_run_seconds", "Time the model held its SM group", MODEL)

@@ -461,6 +461,17 @@ class Arbiter:
                     "num_throttle_changes": self.num_throttle_changes}
 
 
+    def counters(self) -> dict:
+        """What /metrics reads of status(), without the latency percentiles (a sort per model under the lock
+        the engine threads take around every step)."""
+        with self._cond:
+            now = self.clock()
+            models = {m.name: {"run_s": round(m.run_s, 4), "wait_s": round(m.wait_s, 4), "num_slices": m.num_slices,
+                               "duty": round(m.duty, 4), "usage": round(self._usage(m, now), 4)}
+                      for m in self._models.values()}
+            return {"enabled": True, "models": models, "switch_s": round(self.switch_s, 6)}
+
+
 class ArbiterHandle:
     """What one model's engine thread holds: the calls it makes around its steps."""
 

@@ -294,6 +294,20 @@ class SharingManager:
                 for n in sorted(self.isolated)}}
         return {"backend": summary, "partitions": partitions, "quotas": quotas, "arbiter": arbiter}
 
+    def metric_rows(self) -> dict:
+        """What /metrics reads of status(): the arbiter's counters and each quota with its use, without the
+        plan's and backend's descriptions."""
+        quotas = {}
+        for name, q in (self.plan.quotas if self.plan is not None else {}).items():
+            pool = self.pools.get(name)
+            used = None
+            if pool is not None:
+                per_block, _, kv_used = pool
+                used = sum(x or 0 for x in (q.weights, q.activations, q.overhead)) + kv_used() * per_block
+            quotas[name] = {"quota": q.quota, "used_bytes": used}
+        arbiter = self.arbiter.counters() if self.arbiter is not None else {"enabled": False}
+        return {"arbiter": arbiter, "quotas": quotas}
+
     def model_fields(self, name: str) -> dict:
         spec = self.config.sharing.model(name)
         group = None
