@@ -137,3 +137,33 @@ def test_request_bytes():
     raw = request_bytes("http://127.0.0.1:8080", "/v1/completions", b"{}")
     assert raw.startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n")
     assert raw.endswith(b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+
+
+def test_a_cancelled_stream_closes_its_connection(tmp_path):
+    """A replay that is interrupted must not leave the server streaming to nobody: it sees the EOF."""
+    got: list[bytes] = []
+
+    async def main():
+        eof = asyncio.Event()
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(HEAD_CHUNKED + chunked(b'data: {"a":1}\n\n')[:-5])  # one event, and the stream goes on
+            await writer.drain()
+            await reader.read()  # returns at EOF: the client hung up
+            eof.set()
+            writer.close()
+
+        path = str(tmp_path / "c.sock")
+        server = await asyncio.start_unix_server(handle, path)
+        async with server:
+            task = asyncio.ensure_future(post_sse("http://x", path, "/v1/completions", b"{}", got.append))
+            while not got:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(eof.wait(), 10)
+
+    asyncio.run(main())
+    assert got == [b'{"a":1}']
