@@ -346,3 +346,25 @@ def test_monitor_reports_unfed_rules_and_survives_a_broken_rule():
     finally:
         mon.rules[0].check = saved
     assert mon.num_evaluations == 1
+
+
+class _CountedEvents(list):
+    """An event list that counts the passes over it."""
+
+    passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return super().__iter__()
+
+
+def test_one_evaluation_passes_over_the_events_once():
+    """The daemon's window holds up to 20000 events (one per arbiter time slice) and is evaluated on the event
+    loop every second: the rules share one pass that sorts the events by type."""
+    events = _CountedEvents(slices(0.002) + [finished(NOW - 5, 8, model="a"), finished(NOW - 4, 8, model="b")]
+                            + [{"type": "model_evict", "t": NOW - 3, "model": "a"}])
+    w = window(steps={"a": steps(model="a"), "b": steps(model="b")}, events=events)
+    HintMonitor().evaluate(window=w)
+    assert events.passes == 1
+    assert w.recent_events(("model_evict", "request_finished"), 60.0) == events[-3:]  # across types, by time
+    assert [e["model"] for e in w.recent_events("request_finished", 60.0, "b")] == ["b"]

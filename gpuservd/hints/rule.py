@@ -100,15 +100,16 @@ INPUTS: dict[str, tuple[Callable[[Window], bool], str]] = {
                 "status.device.readings.sm_util_pct (NVML utilisation.gpu); null here (no CUDA device or no NVML)"),
     "device_health": (lambda w: any((r.get("xid_errors_total") is not None or r.get("health") is not None)
                                     for r in w.readings)
-                      or any(e.get("type") == "device_error" for e in w.events),
+                      or bool(w.of_type("device_error")),
                       "status.device.readings.health / xid_errors_total or device_error events (NVML); "
                       "null here (no CUDA device or no NVML)"),
     "weight_cache": (lambda w: any(s.get("hits") is not None for s in w.weight_cache),
                      "status.weight_cache.hits / misses per tier (the weight cache)"),
     "evictions": (lambda w: any(s.get("hits") is not None for s in w.weight_cache)
-                  or any(_is_eviction(e) for e in w.events),
+                  or bool(w.of_type("model_evict"))
+                  or any(_is_eviction(e) for e in w.of_type("model_unload")),
                   "model_evict events (the weight cache's LRU)"),
-    "time_slices": (lambda w: any(e.get("type") == "time_slice" for e in w.events),
+    "time_slices": (lambda w: bool(w.of_type("time_slice")),
                     "time_slice events (run_s, switch_s, quantum_ms) from the arbiter: two models of one group with "
                     "work at the same time (none yet, or sharing.enabled is false)"),
     "sharing": (lambda w: sum(1 for s in w.steps.values() if s) >= 2,
