@@ -129,7 +129,8 @@ def paged_attention(
     store_kv: bool = True,
 ) -> torch.Tensor:
     """Write k, v [T, kv_heads, hd] to the cache (unless the caller already has), then attend for every
-    token; returns [T, heads, hd]."""
+    token; returns [T, heads, hd]. k and v may be None where the caller has stored them and every row
+    attends in the CPU kernel (batch.num_kernel_rows == T), which reads them from the cache."""
     if store_kv:
         write_kv(k_cache, v_cache, k, v, batch)
     # The leading rows in one call: on the CPU with the kernel, the decode rows and the short prefill
@@ -137,7 +138,8 @@ def paged_attention(
     ops = cpu_kernels.get() if batch.num_kernel_rows and q.device.type == "cpu" else None
     if ops is not None:
         head = batch.num_kernel_rows
-        rows = ops.paged_decode(q[:head], k_cache, v_cache, batch.kernel_block_table, batch.kernel_ctx_lens, scale)
+        rows = ops.paged_decode(q if head == q.shape[0] else q[:head], k_cache, v_cache, batch.kernel_block_table,
+                                batch.kernel_ctx_lens, scale)
     else:
         head = batch.num_decode
         rows = decode_attention(q[:head], k_cache, v_cache, batch, scale) if head else None

@@ -151,6 +151,24 @@ inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
+// Prefetches a chunk's K and V rows (contiguous: `bytes` from k and from v) into L2 over `steps` calls of
+// step(), K first, a few lines a call; finish() issues what is left. (A chunk's ~400 lines requested at
+// once left the miss buffers full and stalled the loads of the work in between.)
+struct ChunkPrefetch {
+  const char *k, *v;
+  int64_t lines, per_step, next = 0;
+  ChunkPrefetch(const char* k_, const char* v_, int64_t bytes, int64_t steps)
+      : k(k_), v(v_), lines((bytes + 63) / 64), per_step(steps > 0 ? (2 * lines + steps - 1) / steps : 2 * lines) {}
+  inline void step() {
+    for (int64_t e = std::min(next + per_step, 2 * lines); next < e; ++next)
+      _mm_prefetch((next < lines ? k + next * 64 : v + (next - lines) * 64), _MM_HINT_T1);
+  }
+  inline void finish() {
+    per_step = 2 * lines;
+    step();
+  }
+};
+
 // The G query heads of one KV head (q [G][D]) against one K row: out[g * stride] = q[g] . kr, both item
 // kinds' score loop (two 8-lane accumulators per head, summed once at the end).
 template <typename T, int G>
@@ -256,30 +274,27 @@ void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, 
     n = std::min({bs - off, it.t1 - t, kChunk});
     row = static_cast<int64_t>(it.table[t / bs]) * bs + off;
   };
-  int64_t row, n;
+  // Three chunks in view: this one (row, n), the next (row1, n1) and the one after (row2, n2). The
+  // chunk after next is prefetched into L2 while this one is computed, a few lines per inner step of
+  // its work (ChunkPrefetch), so the requests are spread out and arrive ~2 chunks before their use.
+  int64_t row, n, row1 = 0, n1 = 0, row2 = 0, n2 = 0;
   chunk_at(it.t0, row, n);
+  if (it.t0 + n < it.t1) chunk_at(it.t0 + n, row1, n1);
+  if (n1 && it.t0 + n + n1 < it.t1) chunk_at(it.t0 + n + n1, row2, n2);
   prefetch_rows(k, row, n, sh.row_stride);
   prefetch_rows(v, row, n, sh.row_stride);
+  prefetch_rows(k, row1, n1, sh.row_stride);
+  prefetch_rows(v, row1, n1, sh.row_stride);
+  const int64_t row_bytes = sh.row_stride * int64_t(sizeof(T));
   for (int64_t t = it.t0; t < it.t1;) {
-    const int64_t t_next = t + n;
-    int64_t row_next = 0, n_next = 0;
-    if (t_next < it.t1) {
-      chunk_at(t_next, row_next, n_next);
-    }
-    // The next chunk's rows are prefetched a row per scored row, spread over the chunk's work (a
-    // burst of a whole chunk's prefetches at once left the miss buffers full and most dropped).
-    const char* kn = reinterpret_cast<const char*>(k + row_next * sh.row_stride);
-    const char* vn = reinterpret_cast<const char*>(v + row_next * sh.row_stride);
-    const int64_t row_bytes = sh.row_stride * int64_t(sizeof(T));
+    ChunkPrefetch pf(reinterpret_cast<const char*>(k + row2 * sh.row_stride),
+                     reinterpret_cast<const char*>(v + row2 * sh.row_stride), n2 * row_bytes,
+                     KVH * n * (1 + D / TILE));
     for (int64_t h = 0; h < KVH; ++h) {
       const float* q = it.q + h * G * D;
       float* sc = scores + h * G * kChunk;
       for (int64_t r = 0; r < n; ++r) {
-        if (h == 0 && r < n_next)
-          for (int64_t off = 0; off < row_bytes; off += 64) {
-            _mm_prefetch(kn + r * row_bytes + off, _MM_HINT_T0);
-            _mm_prefetch(vn + r * row_bytes + off, _MM_HINT_T0);
-          }
+        pf.step();
         group_scores<T, G>(q, k + (row + r) * sh.row_stride + h * D, D, sc + r, kChunk);
       }
     }
@@ -301,6 +316,7 @@ void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, 
           for (int j = 0; j < J; ++j) a[g][j] = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * j), sg);
         }
         for (int64_t r = 0; r < n; ++r) {
+          pf.step();
           const T* vr = v + (row + r) * sh.row_stride + h * D + c0;
           for (int j = 0; j < J; ++j) {
             const __m256 vv = load8(vr + 8 * j);
@@ -312,9 +328,11 @@ void attend_item_fixed(const Item& it, const T* k, const T* v, const Shape& sh, 
           for (int j = 0; j < J; ++j) _mm256_storeu_ps(it.acc + (h * G + g) * D + c0 + 8 * j, a[g][j]);
       }
     }
-    t = t_next;
-    row = row_next;
-    n = n_next;
+    pf.finish();
+    t += n;
+    row = row1, n = n1, row1 = row2, n1 = n2, n2 = 0;
+    const int64_t t2 = t + n + n1;
+    if (n1 && t2 < it.t1) chunk_at(t2, row2, n2);
   }
 }
 #endif
