@@ -188,6 +188,20 @@ def test_the_sharing_rows_metrics_reads_are_what_the_status_shows(home):
     run_in_app(check, CONFIG, load=["tiny", "tiny2"])
 
 
+def test_the_weight_cache_counters_metrics_reads_are_what_the_status_shows(home):
+    async def check(client, serving):
+        await complete(client, "tiny")
+        await complete(client, "tiny2")
+        counters, st = serving.models.cache.counters(), serving.models.cache.status()
+        assert counters["hits"] == st["hits"] and counters["misses"] == st["misses"]
+        assert counters["used_bytes"] == {t: st[t]["used_bytes"] for t in ("device", "host")}
+        assert counters["used_bytes"]["device"] > 0
+        fams = families((await client.get("/metrics")).text)
+        assert value(fams, "gpuserv_weight_cache_bytes", tier="device") == counters["used_bytes"]["device"]
+
+    run_in_app(check, CONFIG, load=["tiny", "tiny2"])
+
+
 def test_requests_waiting_for_their_model_load_count_as_waiting(home):
     gate = asyncio.Event()
 

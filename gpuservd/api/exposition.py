@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Histogram, values
 from prometheus_client.utils import floatToGoString
 
 
@@ -54,6 +54,10 @@ def _read(value) -> float:
     return raw if isinstance(raw, float) else value.get()
 
 
+# prometheus_client keeps each value as a float attribute `_value` unless it runs in multiprocess mode
+_PLAIN_VALUES = values.ValueClass is values.MutexValue
+
+
 def _num(value: float) -> str:
     """A sample value; integers (most counts) skip the general float formatting."""
     if value.is_integer() and abs(value) < 1e15:
@@ -76,6 +80,7 @@ class Exposition:
         # (family name, label values) -> "name{labels} " of a scrape-time gauge's series; bounded: label values
         # come and go with models (and the variant list is itself a label), so it is emptied when it grows
         self._row_prefixes: dict[tuple[str, tuple], str] = {}
+        self._family_heads: dict[tuple[str, str, str], tuple[str, str]] = {}  # a gauge family's name and head
 
     @staticmethod
     def _head(metric) -> str:
@@ -119,13 +124,18 @@ class Exposition:
                 out.append(self._histogram(metric, labelvalues, child, prefixes))
         if len(self._row_prefixes) > ROW_PREFIXES_MAX:
             self._row_prefixes.clear()
+        if len(self._family_heads) > ROW_PREFIXES_MAX:  # only if a family's help text were ever made per scrape
+            self._family_heads.clear()
         for collector in self.collectors:
             for family in collector.families():
                 out.append(self._family(family))
         return "".join(out).encode()
 
     def _histogram(self, metric, labelvalues: tuple, child, prefixes: tuple[str, ...]) -> str:
-        state = (*[_read(b) for b in child._buckets], _read(child._sum))
+        if _PLAIN_VALUES:  # the attribute itself: a histogram has ~20 of them, read on every scrape
+            state = (*[b._value for b in child._buckets], child._sum._value)
+        else:
+            state = (*[_read(b) for b in child._buckets], _read(child._sum))
         key = (id(metric), labelvalues)
         last = self._last.get(key)
         if last is not None and last[0] == state:
@@ -141,9 +151,13 @@ class Exposition:
 
     def _family(self, family) -> str:
         """A metric_gauges.Family: its head, then one line per row."""
-        counter = family.type == "counter"
-        name = family.name + "_total" if counter else family.name
-        lines = [f"# HELP {name} {_escape_help(family.doc)}\n# TYPE {name} {family.type}\n"]
+        head = self._family_heads.get((family.name, family.type, family.doc))
+        if head is None:  # a fixed set: the families are named in code
+            counter = family.type == "counter"
+            name = family.name + "_total" if counter else family.name
+            head = (name, f"# HELP {name} {_escape_help(family.doc)}\n# TYPE {name} {family.type}\n")
+            self._family_heads[(family.name, family.type, family.doc)] = head
+        name, lines = head[0], [head[1]]
         prefixes, names = self._row_prefixes, family.labelnames
         for labelvalues, value in family.rows:
             key = (name, labelvalues)

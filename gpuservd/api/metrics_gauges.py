@@ -186,11 +186,11 @@ def _cache_metrics(cache):
     hits = _counter("gpuserv_weight_cache_hits", "Model lookups that found the model in the tier", ["tier"])
     misses = _counter("gpuserv_weight_cache_misses", "Model lookups that did not", ["tier"])
     resident = _gauge("gpuserv_weight_cache_bytes", "Weight bytes held by the tier", ["tier"])
-    st = cache.status()
+    st = cache.counters()
     for tier in ("device", "host"):
         hits.add_metric([tier], st["hits"][tier])
         misses.add_metric([tier], st["misses"][tier])
-        resident.add_metric([tier], st[tier]["used_bytes"])
+        resident.add_metric([tier], st["used_bytes"][tier])
     return hits, misses, resident
 
 

@@ -312,6 +312,13 @@ class WeightCache:
                 "reserved_bytes": sum(b for d, b in self.reserved.values() if d == device),
                 "models": sorted(on), "cache_size": self.config.cache_size}
 
+    def counters(self) -> dict:
+        """What /metrics reads of status(): lookups per tier and the bytes each tier holds."""
+        with self._lock:
+            return {"hits": dict(self.hits), "misses": dict(self.misses),
+                    "used_bytes": {"device": sum(e.nbytes for e in self.device.values()),
+                                   "host": sum(c.nbytes for c in self.host.values())}}
+
     def status(self) -> dict:
         with self._lock:
             return {
