@@ -57,3 +57,17 @@ def test_pinned_host_pool_is_allocated_beside_the_load():
     else:
         with pytest.raises(RuntimeError, match="pin"):
             pool.kv
+
+
+def test_layer_views_are_made_once_and_see_the_cache():
+    """layer(i) hands out the same (k, v) views every step (made at construction: indexing the cache per
+    layer and step cost microseconds each), and they are views of the cache, not copies."""
+    cache = KVCache(CacheShape(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32), 5,
+                    torch.device("cpu"))
+    k1, v1 = cache.layer(1)
+    assert cache.layer(1)[0] is k1 and cache.layer(1)[1] is v1
+    k1[2, 3, 1].fill_(7.0)
+    v1[4, 0, 0].fill_(-2.0)
+    assert cache.kv[1, 0, 2, 3, 1].eq(7.0).all() and cache.kv[1, 1, 4, 0, 0].eq(-2.0).all()
+    assert cache.kv[0].eq(0).all() and cache.kv[2].eq(0).all()
+    assert k1.shape == (5, 4, 2, 8)
