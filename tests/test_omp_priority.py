@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuservd.errors import UserError
 from gpuservd.runner.omp import DEFAULT_THREADS, WORKER_PRIORITY_ENV, worker_priority
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,12 +104,19 @@ def test_by_default_the_workers_run_under_sched_idle(tiny_model_dir):
 
 def test_a_bad_priority_says_what_to_set(monkeypatch):
     monkeypatch.setenv(WORKER_PRIORITY_ENV, "high")
-    with pytest.raises(ValueError, match=WORKER_PRIORITY_ENV):
+    with pytest.raises(UserError, match=WORKER_PRIORITY_ENV):
         worker_priority()
     monkeypatch.setenv(WORKER_PRIORITY_ENV, "25")
-    with pytest.raises(ValueError, match="0-19 or 'idle'"):
+    with pytest.raises(UserError, match="0-19 or 'idle'"):
         worker_priority()
     monkeypatch.setenv(WORKER_PRIORITY_ENV, " IDLE ")
     assert worker_priority() == "idle"
     monkeypatch.setenv(WORKER_PRIORITY_ENV, "")
     assert worker_priority() == "idle"
+
+
+def test_the_daemon_refuses_to_start_with_a_bad_priority(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), WORKER_PRIORITY_ENV: "high", "GPUSERV_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "gpuservd.daemon", "--socket", str(tmp_path / "s.sock")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 2 and WORKER_PRIORITY_ENV in r.stderr, (r.returncode, r.stderr[-2000:])

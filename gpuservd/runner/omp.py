@@ -19,6 +19,8 @@ import threading
 
 import torch
 
+from gpuservd.errors import UserError
+
 # torch's own choice for this process (OMP_NUM_THREADS, else its count of cores), read once at import,
 # before any thread of ours has set a count: torch.set_num_threads also changes the value later threads
 # start from.
@@ -51,16 +53,16 @@ DEFAULT_WORKER_PRIORITY = IDLE
 
 
 def worker_priority() -> int | str:
-    """The workers' nice value, or "idle"."""
+    """The workers' nice value, or "idle". The daemon reads it at start, so a bad value stops it there."""
     raw = os.environ.get(WORKER_PRIORITY_ENV, "").strip().lower() or str(DEFAULT_WORKER_PRIORITY)
     if raw == IDLE:
         return IDLE if hasattr(os, "SCHED_IDLE") else 19
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{WORKER_PRIORITY_ENV} must be a nice value 0-19 or 'idle', got {raw!r}") from None
+        raise UserError(f"{WORKER_PRIORITY_ENV} must be a nice value 0-19 or 'idle', got {raw!r}") from None
     if not 0 <= value <= 19:
-        raise ValueError(f"{WORKER_PRIORITY_ENV} must be a nice value 0-19 or 'idle', got {value}")
+        raise UserError(f"{WORKER_PRIORITY_ENV} must be a nice value 0-19 or 'idle', got {value}")
     return value
 
 
