@@ -277,7 +277,10 @@ class EngineLoop:
             return
         engine.telemetry.subscribe(self._records.append)
         engine.interrupt = self._urgent_waiting
-        pool = PoolPriority()  # this thread's OpenMP workers yield to the event loop (runner/omp.py)
+        # A CPU engine's OpenMP workers yield to the event loop (runner/omp.py); a GPU process's native threads
+        # are the driver's, left as they are.
+        device = getattr(getattr(engine, "runner", None), "device", None)
+        pool = PoolPriority() if getattr(device, "type", None) == "cpu" else None
         if self.arbiter is not None:
             engine.yield_point = self.arbiter.between_layers
         self._beat()
@@ -319,7 +322,8 @@ class EngineLoop:
                 finally:
                     if seat is not None:
                         seat.leave()
-                    pool.after_step()
+                    if pool is not None:
+                        pool.after_step()
                     if arbiter is not None:
                         arbiter.end_step(decode_only=all(not r.num_prefill_tokens for r in self._records))
                 self._row_failed.update(engine.rows.take())  # their abort outputs may come a step later
