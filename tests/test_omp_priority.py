@@ -120,3 +120,19 @@ def test_the_daemon_refuses_to_start_with_a_bad_priority(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpuservd.daemon", "--socket", str(tmp_path / "s.sock")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 2 and WORKER_PRIORITY_ENV in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+def test_no_sweep_while_a_python_thread_is_starting(monkeypatch):
+    """A Python thread whose id threading does not know yet is not taken for a pool worker: the sweep waits."""
+    import threading
+
+    from gpuservd.runner import omp
+
+    class Starting:
+        native_id = None
+
+    monkeypatch.setattr(threading, "enumerate", lambda: [threading.current_thread(), Starting()])
+    assert omp.demote_pool_workers(19) is None
+    pool = omp.PoolPriority(19)
+    pool.after_step()
+    assert pool._threads == 0  # tried again at the next step

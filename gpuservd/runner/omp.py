@@ -79,16 +79,22 @@ def _lower(tid: int, priority: int | str) -> bool:
     return True
 
 
-def demote_pool_workers(priority: int | str) -> list[int]:
+def demote_pool_workers(priority: int | str) -> list[int] | None:
     """Lower this process's threads that Python does not run (libgomp's team workers; also any other
-    native pool's threads, which hold no GIL either) to `priority`; returns the thread ids changed.
-    Python's threads, the engine's among them, keep theirs."""
+    native pool's threads, which hold no GIL either) to `priority`; returns the thread ids changed, or
+    None when a Python thread was starting (its id not known yet: try again later). Python's threads,
+    the engine's among them, keep theirs."""
     if not priority or not os.path.isdir("/proc/self/task"):
         return []
-    python_threads = {t.native_id for t in threading.enumerate()} | {threading.get_native_id()}
+    tids = [int(entry) for entry in os.listdir("/proc/self/task")]
+    # listed first: a Python thread started before the listing is known to threading by now, with its id
+    # or (still starting) without one
+    python_threads = {t.native_id for t in threading.enumerate()}
+    if None in python_threads:
+        return None
+    python_threads.add(threading.get_native_id())
     changed = []
-    for entry in os.listdir("/proc/self/task"):
-        tid = int(entry)
+    for tid in tids:
         if tid in python_threads:
             continue
         try:
@@ -118,6 +124,5 @@ class PoolPriority:
         except OSError:  # no /proc: nothing to lower
             self.priority = 0
             return
-        if n != self._threads:
+        if n != self._threads and demote_pool_workers(self.priority) is not None:
             self._threads = n
-            demote_pool_workers(self.priority)
