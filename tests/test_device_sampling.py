@@ -159,3 +159,19 @@ def test_decode_result_is_one_copy_of_ids_and_verdicts(tiny_model_dir, ops):
     assert ids[1] == int(out.logits[1].argmax())  # the greedy row
     r = host_req((1.0, 0, 0.9, 0.0), 77, 2)
     assert ids[0] == host_sampler.sample(out.logits[:1], [r]).token_ids[0]
+
+
+def test_cpu_uniform_is_the_tensor_hash_bit_for_bit():
+    """On the CPU uniform() hashes the rows as Python ints; every number equals the tensor arithmetic's
+    (the device's) exactly, over seeds at the edges of 63 bits and steps past 32 bits."""
+    from gpuservd.runner.device_sampling import uniform, uniform_tensor
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.tensor([0, 1, 0x7FFFFFFFFFFFFFFF, 0xFFFFFFFF, 1 << 32, 12345]),
+                       torch.randint(0, 2**63 - 1, (200,), generator=g)])
+    steps = torch.cat([torch.tensor([0, 1, 2**31, 2**32 + 7, 4095, 10**12]), torch.randint(0, 1 << 20, (200,), generator=g)])
+    got, want = uniform(seeds, steps), uniform_tensor(seeds, steps)
+    assert got.dtype == want.dtype == torch.float64 and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert bool(((got > 0) & (got < 1)).all())
+    assert uniform(seeds[:0], steps[:0]).shape == (0,)
