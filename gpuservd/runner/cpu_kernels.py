@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemv.cpp", CSRC / "packed_gemm.cpp",
-           CSRC / "packed_gemm_f32.cpp"]
+           CSRC / "packed_gemm_f32.cpp", CSRC / "packed_panels_f32.cpp"]
 HEADERS = [CSRC / "simd.h"]
 ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 

@@ -13,7 +13,12 @@ on every call) 147. As fast or faster at every row count, so the panels are
 the only copy: keeping the dense weight too for gemv / oneDNN would double the
 model's memory for no row count that needs it.
 `rows(ids)` reads dense rows back out of the panels, so a tied embedding and LM
-head stay one tensor.
+head stay one tensor. A weight whose every fp32 value is exactly a bf16 (checked
+at load; SmolLM2's tied embedding is, its layer weights are not) is held in bf16
+column panels instead: the kernel widens each value back to the same fp32 before
+the same FMAs, so its results are bit-identical from half the bytes (the LM head
+at 1-8 rows is a pass over its weights). `GPUSERV_PANELS_BF16=0` keeps such a
+weight in fp32 panels (the A/B reference).
 
 The dense layout, W [out, in] as the checkpoint stores it, serves everything
 else, and fp32 under `GPUSERV_PACKED_WEIGHTS=0` (the A/B reference):
@@ -68,6 +73,10 @@ GEMV_MAX_ROWS_BF16_DP = 64
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PANEL = 16  # output columns per panel of both packed layouts (fp32 lanes of one AVX-512 register)
 PACKED_SWITCH = "GPUSERV_PACKED_WEIGHTS"
+BF16_PANELS_SWITCH = "GPUSERV_PANELS_BF16"
+# Where column j of a bf16 panel's k step lies: columns 0-7 in the even halves, 8-15 in the odd ones
+# (csrc/packed_panels_f32.cpp).
+BF16_PANEL_POS = [2 * j if j < 8 else 2 * (j - 8) + 1 for j in range(PANEL)]
 
 
 def pack_pairs(w: torch.Tensor) -> torch.Tensor:
@@ -99,10 +108,26 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_panels_exact(w: torch.Tensor) -> torch.Tensor:
+    """Column panels of W [N, K] fp32, in bf16 when every value of W is exactly a bf16 (bit-identical
+    products, half the bytes) and the kernels can build them, else in fp32."""
+    ops = cpu_kernels.get() if w.device.type == "cpu" and w.dtype == torch.float32 else None
+    if (ops is not None and hasattr(ops, "pack_panels_bf16") and _switch_on(BF16_PANELS_SWITCH)
+            and ops.bf16_exact(w)):
+        return ops.pack_panels_bf16(w)
+    return pack_panels(w)
+
+
 def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The dense W [n, k] a column-panel tensor holds."""
+    """The dense W [n, k] a column-panel tensor holds (fp32 from bf16 panels: exact)."""
     p = packed.shape[0]
+    if packed.dtype == torch.bfloat16:
+        packed = packed[:, :, BF16_PANEL_POS].float()
     return packed.transpose(1, 2).reshape(p * PANEL, k)[:n]
+
+
+def _switch_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -110,7 +135,7 @@ def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     AVX512_BF16), fp32 in column panels (a CPU with AVX2 and FMA)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
-    if os.environ.get(PACKED_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _switch_on(PACKED_SWITCH):
         return False
     ops = cpu_kernels.get()
     if ops is None:
@@ -143,8 +168,9 @@ class Linear:
         self.packed = None
         self.panels = use_packed and weight.dtype == torch.float32  # fp32 column panels, else bf16 pairs
         if use_packed:
-            self.packed = pack_panels(weight) if self.panels else pack_pairs(weight)
+            self.packed = pack_panels_exact(weight) if self.panels else pack_pairs(weight)
         self._row_offsets = None  # rows(): where each input column of a row lies in the packed layout
+        self._lane_pos = None  # rows() of bf16 panels: where each of a panel's 16 columns lies in a k step
         self.weight = None if use_packed else (weight if weight.is_contiguous() else weight.contiguous())
         held = self.packed if use_packed else self.weight
         self.nbytes = held.numel() * held.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
@@ -175,13 +201,20 @@ class Linear:
         if self.packed is None:
             return self.weight.index_select(0, ids)
         # One gather (advanced indexing on the 4-D view took 1.4 ms for 32 ids, this ~0.02 ms).
-        # Column panels: element (n, c) lies at flat ((n // 16) * in + c) * 16 + n % 16.
-        # Pair panels: at ((n // 16) * k2 + c // 2) * 32 + (n % 16) * 2 + c % 2.
+        # Column panels: element (n, c) lies at flat ((n // 16) * in + c) * 16 + n % 16 (bf16 ones: at
+        # BF16_PANEL_POS[n % 16] in place of n % 16). Pair panels: at ((n // 16) * k2 + c // 2) * 32 +
+        # (n % 16) * 2 + c % 2.
         if self._row_offsets is None:
             c = torch.arange(self.in_features, device=self.packed.device)
             self._row_offsets = c * PANEL if self.panels else (c // 2) * (2 * PANEL) + c % 2
+            self._lane_pos = torch.tensor(BF16_PANEL_POS, device=self.packed.device)
         if self.panels:
-            base = (ids // PANEL) * (self.in_features * PANEL) + ids % PANEL
+            lane = ids % PANEL
+            if self.packed.dtype == torch.bfloat16:
+                lane = self._lane_pos[lane]
+                base = (ids // PANEL) * (self.in_features * PANEL) + lane
+                return torch.take(self.packed, base[:, None] + self._row_offsets[None, :]).float()
+            base = (ids // PANEL) * (self.in_features * PANEL) + lane
         else:
             base = (ids // PANEL) * (self.packed.shape[1] * 2 * PANEL) + (ids % PANEL) * 2
         return torch.take(self.packed, base[:, None] + self._row_offsets[None, :])

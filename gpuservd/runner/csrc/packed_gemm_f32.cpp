@@ -27,6 +27,13 @@
 // slice of the panel stays in L1 while every row block passes over it; the
 // accumulators go to y between K blocks). Either way W is read front to back.
 //
+// bf16 panels: a weight whose every value is exactly a bf16 (its fp32 low 16 bits are zero, as
+// in SmolLM2's tied embedding / LM head) may be held as its high halves, 32 bytes a k step
+// instead of 64 (packed_panels_f32.cpp builds them). A k step loads the 16 halves at once and
+// widens them in two integer ops (even halves: columns 0-7, odd halves: 8-15; shifting a half
+// into the high 16 bits of a zero word gives back the exact fp32), so the FMAs see the same
+// operands in the same order as with fp32 panels: bit-identical results from half the bytes.
+//
 // Numerics: fp32 products and fp32 accumulation along k in order within a K
 // block; the bias is added once at the end. The summation order differs from
 // MKL's, so results agree with torch to rounding (relative ~1e-6).
@@ -37,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "simd.h"
@@ -67,12 +75,23 @@ inline __m256i lane_mask(int n) {  // lanes [0, n) set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// The panel's 16 columns at one k step, widened to fp32: w0 = columns 0-7, w1 = 8-15.
+inline __attribute__((always_inline)) void load_w(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+inline __attribute__((always_inline)) void load_w(const uint16_t* w, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));  // halves: c0 c8 c1 c9 ...
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // One k step of the tile: a[m] += x[m * ldx] * w[0..15] for the MR rows (the panel's 16 columns in two
 // registers, each x element broadcast once).
-template <int MR>
-inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, const float* w, __m256* a0,
-                                                 __m256* a1) {
-  const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+template <int MR, typename T>
+inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, const T* w, __m256* a0, __m256* a1) {
+  __m256 w0, w1;
+  load_w(w, w0, w1);
 #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) {
     const __m256 xb = _mm256_broadcast_ss(x + m * ldx);
@@ -83,8 +102,8 @@ inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, co
 
 // MR rows of x (row stride ldx, from column k0) against one panel slice w [kc][16].
 // pf: pf_lines 64-byte lines to prefetch into L2, one per k step from the first.
-template <int MR>
-inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kc, const Out& o,
+template <int MR, typename T>
+inline void micro(const float* __restrict x, int64_t ldx, const T* __restrict w, int64_t kc, const Out& o,
                   const char* pf, int64_t pf_lines) {
   __m256 a0[MR], a1[MR];
   const __m256i m0 = lane_mask(o.ncols), m1 = lane_mask(o.ncols - 8);
@@ -130,17 +149,28 @@ inline void micro(const float* __restrict x, int64_t ldx, const float* __restric
 }
 #endif
 
+// Column j of a panel's k step, as fp32 (bf16 panels interleave columns 0-7 with 8-15).
+inline float w_at(const float* w, int j) { return w[j]; }
+inline float w_at(const uint16_t* w, int j) {
+  const uint32_t bits = static_cast<uint32_t>(w[j < 8 ? 2 * j : 2 * (j - 8) + 1]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // The same tile in scalar code (a build without AVX2/FMA).
-inline void micro_scalar(int mr, const float* x, int64_t ldx, const float* w, int64_t kc, const Out& o) {
+template <typename T>
+inline void micro_scalar(int mr, const float* x, int64_t ldx, const T* w, int64_t kc, const Out& o) {
   for (int m = 0; m < mr; ++m)
     for (int j = 0; j < o.ncols; ++j) {
       float s = o.first ? 0.f : o.y[m * o.ldy + j];
-      for (int64_t k = 0; k < kc; ++k) s += w[k * kPanel + j] * x[m * ldx + k];
+      for (int64_t k = 0; k < kc; ++k) s += w_at(w + k * kPanel, j) * x[m * ldx + k];
       o.y[m * o.ldy + j] = s + (o.last && o.bias ? o.bias[j] : 0.f);
     }
 }
 
-void tile(int mr, const float* x, int64_t ldx, const float* w, int64_t kc, const Out& o, const char* pf,
+template <typename T>
+void tile(int mr, const float* x, int64_t ldx, const T* w, int64_t kc, const Out& o, const char* pf,
           int64_t pf_lines) {
 #if GPUSERV_AVX2
   switch (mr) {
@@ -169,21 +199,24 @@ void tile(int mr, const float* x, int64_t ldx, const float* w, int64_t kc, const
 // far faster there, so Linear keeps that layout.
 bool packed_f32_available() { return GPUSERV_AVX2 != 0; }
 
+template <typename T>
 struct Call {
   const float* x;
   int64_t ldx, M, K;
-  const float* w;  // [P][K][16]
+  const T* w;  // [P][K][16]: fp32, or bf16 halves in column pairs
   int64_t P, N;
   const float* bias;
-  float* y;        // [M, N]
+  float* y;    // [M, N]
   int mr_max;
 };
 
 // Panels [p0, p1) against all rows of x. Panel by panel, and within a panel K block by K block,
 // so W is read front to back (one sequential stream per thread) and each K block's slice is
 // prefetched while the one before it is computed.
-void panels(const Call& c, int64_t p0, int64_t p1) {
-  const float* w_end = c.w + p1 * c.K * kPanel;
+template <typename T>
+void panels(const Call<T>& c, int64_t p0, int64_t p1) {
+  constexpr int64_t kStepBytes = kPanel * sizeof(T);  // one k step of a panel: 64 B fp32, 32 B bf16
+  const char* w_end = reinterpret_cast<const char*>(c.w + p1 * c.K * kPanel);
   for (int64_t mc0 = 0; mc0 < c.M; mc0 += kMc) {
     const int64_t rows = std::min(kMc, c.M - mc0);
     const int64_t nb = (rows + c.mr_max - 1) / c.mr_max;  // row blocks of nearly equal height
@@ -194,12 +227,12 @@ void panels(const Call& c, int64_t p0, int64_t p1) {
             static_cast<int>(std::min(kPanel, c.N - p * kPanel)), true, false};
       for (int64_t k0 = 0; k0 < c.K; k0 += kc_step) {
         const int64_t kc = std::min(kc_step, c.K - k0);
-        const float* wp = c.w + (p * c.K + k0) * kPanel;
-        // The next kc lines of W after this slice (on every chunk: past the first, a W larger
-        // than the caches comes from DRAM again), shared out over the row blocks.
-        const float* next = wp + kc * kPanel;
-        int64_t pf_left = std::min<int64_t>(kc, (w_end - next) / kPanel);
-        const char* pf = pf_left > 0 ? reinterpret_cast<const char*>(next) : nullptr;
+        const T* wp = c.w + (p * c.K + k0) * kPanel;
+        // The lines of W that the next kc k steps will read (on every chunk: past the first, a W
+        // larger than the caches comes from DRAM again), shared out over the row blocks.
+        const char* next = reinterpret_cast<const char*>(wp + kc * kPanel);
+        int64_t pf_left = std::min<int64_t>((kc * kStepBytes + 63) / 64, (w_end - next) / 64);
+        const char* pf = pf_left > 0 ? next : nullptr;
         const int64_t share = (std::max<int64_t>(pf_left, 0) + nb - 1) / nb;
         o.first = k0 == 0;
         o.last = k0 + kc == c.K;
@@ -218,13 +251,24 @@ void panels(const Call& c, int64_t p0, int64_t p1) {
   }
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in column panels [ceil(N/16), K, 16].
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const Call<T> c{x.data_ptr<float>(), x.stride(0), M, K, static_cast<const T*>(packed.data_ptr()), P, N,
+                  bias, y.data_ptr<float>(), mr_max};
+  const int64_t wbytes = P * K * kPanel * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, P, wbytes < kParallelBytes ? P : 1, [&](int64_t p0, int64_t p1) { panels(c, p0, p1); });
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in column panels [ceil(N/16), K, 16], fp32 or
+// (a bf16-exact W, from pack_panels_bf16) bf16 halves.
 // tile_rows: the register tile's height (0: this build's own; 1-12 for tests of every tile).
 at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias, int64_t tile_rows) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear_f32: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "packed_linear_f32: fp32 x and weight only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "packed_linear_f32: fp32 x and an fp32 or bf16 panel weight only");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed_linear_f32: weight must be a contiguous panel tensor [P, K, 16], got ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear_f32: x must be [M, K] with unit column stride");
@@ -238,80 +282,22 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int6
                 "packed_linear_f32: bias must be a contiguous fp32 [", N, "]");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || K == 0) return K == 0 && M ? (has_bias ? bias->expand({M, N}).clone() : y.zero_()) : y;
-  const Call c{x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), P, N,
-               has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-               tile_rows ? static_cast<int>(tile_rows) : kMr};
-  const int64_t wbytes = P * K * kPanel * 4;
-  at::parallel_for(0, P, wbytes < kParallelBytes ? P : 1, [&](int64_t p0, int64_t p1) { panels(c, p0, p1); });
+  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
+  const int mr = tile_rows ? static_cast<int>(tile_rows) : kMr;
+  if (packed.scalar_type() == at::kFloat)
+    run<float>(x, packed, N, b, y, mr);
+  else
+    run<uint16_t>(x, packed, N, b, y, mr);
   return y;
-}
-
-#if GPUSERV_AVX2
-// In place: rows r[0..8) of 8 floats become their columns.
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-#endif
-
-// W [N, K] fp32 -> column panels [ceil(N/16), K, 16], zero padded: once per weight at load. It
-// transposes 8 x 8 blocks in registers and writes each panel front to back: 1.7x torch's permuted
-// copy on a 3072 x 576 weight (1 thread); on large weights both are bound by the first-touch page
-// faults of the new tensor.
-at::Tensor pack_panels_f32(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
-              "pack_panels_f32: W must be an fp32 [out, in] CPU tensor");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), P = (N + kPanel - 1) / kPanel;
-  auto out = at::empty({P, K, kPanel}, wc.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, K * kPanel * 4));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t rows = std::min(kPanel, N - p * kPanel);
-      const float* wr = src + p * kPanel * K;
-      float* panel = dst + p * K * kPanel;
-      int64_t k = 0;
-#if GPUSERV_AVX2
-      if (rows == kPanel)
-        for (; k + 8 <= K; k += 8)
-          for (int h = 0; h < 2; ++h) {
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(wr + (8 * h + i) * K + k);
-            transpose8(r);
-            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kPanel + 8 * h, r[i]);
-          }
-#endif
-      for (; k < K; ++k)
-        for (int64_t j = 0; j < kPanel; ++j) panel[k * kPanel + j] = j < rows ? wr[j * K + k] : 0.f;
-    }
-  });
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpuserv, m) {
   m.def("packed_linear_f32(Tensor x, Tensor packed, int n, Tensor? bias, int tile_rows=0) -> Tensor");
-  m.def("pack_panels_f32(Tensor w) -> Tensor");
   m.def("packed_f32_available() -> bool", &packed_f32_available);
 }
 
 TORCH_LIBRARY_IMPL(gpuserv, CPU, m) {
   m.impl("packed_linear_f32", &packed_linear_f32);
-  m.impl("pack_panels_f32", &pack_panels_f32);
 }
