@@ -1,13 +1,18 @@
 """Same-process A/B of the packed fp32 kernel (column panels) against the dense layout, SmolLM2 in fp32.
 
 1. Matmuls, per shape: SmolLM2's four layer matmuls (qkv 576->960, o_proj 576->576, gate_up
-   576->3072, down 1536->576), each cycled over >= 256 MB of distinct random copies (so W streams
-   from DRAM, as in a decode step), at several row counts:
+   576->3072, down 1536->576) and its tied LM head (576->49152), each cycled over >= 256 MB of
+   distinct random copies (so W streams from DRAM, as in a decode step), at several row counts:
    - packed: `ops.packed_linear_f32` on the panel weight (what Linear runs for fp32 now),
+   - packed_bf16: the same kernel on bf16 panels of the same (bf16-exact) values, which Linear
+     takes for a weight whose values are all bf16 (SmolLM2's LM head): identical outputs, half the bytes,
    - gemv: the dense dot-product kernel (what Linear ran for <= 32 rows before),
    - onednn: oneDNN's inner product on the dense weight (Linear's path above 32 rows before),
    - f_linear: `F.linear` (MKL).
-   Variants alternate (order flipped every repetition); the best repetition is kept.
+   Variants alternate (order flipped every repetition); the best repetition is kept. Each case also
+   says ms per matmul and how close it comes to the read floor: the same bytes read by a plain
+   streaming sum (`floor_ms`, measured here per shape), as `packed_of_floor` = floor / packed time.
+   --rows 1,4,8,16 --variants packed,packed_bf16 picks the small-batch cases alone.
 2. Whole decode steps of SmolLM2 in fp32 (ModelRunner.execute) at 1/8/24/48 sequences: the packed
    Linears (layers and the tied LM head) against the dense ones the engine ran before
    (GPUSERV_PACKED_WEIGHTS=0: gemv up to 32 rows, oneDNN above), alternating blocks of steps; medians.
@@ -38,28 +43,46 @@ from gpuservd.runner.model_runner import ModelRunner
 from bench_cpu_kernels import ab_decode_steps, bench_command_line  # scripts/ is on sys.path when run as a script
 from bench_packed import _swap_linears
 
-SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
 STREAM_BYTES = 256 << 20  # distinct copies per shape: more than the caches hold
-ROWS = (1, 8, 16, 24, 32, 48, 64, 256)
+ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 256)
+VARIANTS = ("packed", "packed_bf16", "gemv", "onednn", "f_linear")
 
 
-def shape_cases(name: str, rows_list, reps: int, clock) -> list[dict]:
+def read_floor(tensors, reps: int, clock) -> float:
+    """Seconds to stream the tensors once (a sum of each: the bytes at the machine's read bandwidth)."""
+    best = float("inf")
+    for r in range(reps + 1):
+        t0 = clock()
+        for t in tensors:
+            t.sum()
+        if r:
+            best = min(best, clock() - t0)
+    return best
+
+
+def shape_cases(name: str, rows_list, reps: int, clock, wanted) -> list[dict]:
     ops = cpu_kernels.get()
     n, k = SHAPES[name]
     g = torch.Generator().manual_seed(n + k)
-    copies = -(-STREAM_BYTES // (n * k * 4))
-    dense = [torch.randn(n, k, generator=g) / 8 for _ in range(copies)]
+    copies = max(2, -(-STREAM_BYTES // (n * k * 4)))
+    dense = [(torch.randn(n, k, generator=g) / 8).bfloat16().float() for _ in range(copies)]  # bf16-exact values
     packed = [pack_panels(w) for w in dense]
+    halves = [ops.pack_panels_bf16(w) for w in dense] if "packed_bf16" in wanted else []
+    floor = read_floor(packed, reps, clock) / copies
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k, generator=g) / 8
         variants = {
             "packed": lambda: [ops.packed_linear_f32(x, w, n, None) for w in packed],
+            "packed_bf16": lambda: [ops.packed_linear_f32(x, w, n, None) for w in halves],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in dense],
             "f_linear": lambda: [F.linear(x, w) for w in dense],
         }
         if rows <= 64:
             variants["gemv"] = lambda: [ops.gemv(x, w, None) for w in dense]
+        variants = {v: f for v, f in variants.items() if v in wanted}
         best = {v: float("inf") for v in variants}
         names = list(variants)
         with torch.inference_mode():
@@ -69,9 +92,12 @@ def shape_cases(name: str, rows_list, reps: int, clock) -> list[dict]:
                     variants[v]()
                     if r:  # repetition 0 warms up
                         best[v] = min(best[v], clock() - t0)
-        case = {"shape": name, "rows": rows, "copies": copies}
+        case = {"shape": name, "rows": rows, "copies": copies, "weight_mb": round(n * k * 4 / 1e6, 1),
+                "floor_ms": round(floor * 1e3, 3)}
         for v, t in best.items():
             case[f"{v}_gflops"] = round(2 * rows * n * k * copies / t / 1e9, 1)
+            case[f"{v}_ms"] = round(t / copies * 1e3, 3)
+            case[f"{v}_of_floor"] = round(floor * copies / t, 2)
         out.append(case)
         print(json.dumps(case), flush=True)
     return out
@@ -108,7 +134,14 @@ def decode_steps(args, threads: int) -> dict:
 
 
 def main():
-    args = bench_command_line(__doc__, 5, render_md, lambda ap: ap.add_argument("--threads", type=int, default=2))
+    def extra(ap):
+        ap.add_argument("--threads", type=int, default=2)
+        ap.add_argument("--rows", help="comma-separated row counts (default: %s)" % ",".join(map(str, ROWS)))
+        ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ",".join(SHAPES))
+        ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
+        ap.add_argument("--no-steps", action="store_true", help="skip the whole decode steps")
+
+    args = bench_command_line(__doc__, 5, render_md, extra)
     if args is None:
         return
     if not hasattr(cpu_kernels.get(), "packed_linear_f32"):
@@ -121,9 +154,11 @@ def main():
               "clock": "wall" if args.threads > 1 else "process_cpu"}
     load = ForeignLoad()
     with load:
-        rows = (1, 8, 32, 256) if args.quick else ROWS
-        result["matmul"] = [c for name in SHAPES for c in shape_cases(name, rows, 2 if args.quick else args.reps, clock)]
-        if (models_root() / args.model / "config.json").exists():
+        rows = [int(r) for r in args.rows.split(",")] if args.rows else (1, 8, 32, 256) if args.quick else ROWS
+        wanted = set(args.variants.split(","))
+        result["matmul"] = [c for name in args.shapes.split(",")
+                            for c in shape_cases(name, rows, 2 if args.quick else args.reps, clock, wanted)]
+        if not args.no_steps and (models_root() / args.model / "config.json").exists():
             result["decode_step"] = decode_steps(args, args.threads)
     result["foreign_cpu_share"] = load.share
     write_result(args.out, result, render_md(result))
@@ -142,10 +177,17 @@ def render_md(result: dict) -> str:
                for s in result["decode_step"]["cases"]]
         md.append("")
     md += ["## GFLOP/s per matmul shape, W cycled over >= 256 MB of copies (best of the repetitions)", "",
-           "| shape | rows | packed | gemv | oneDNN | F.linear |", "|---|---|---|---|---|---|"]
+           "| shape | rows | packed | packed bf16 | gemv | oneDNN | F.linear |", "|---|---|---|---|---|---|---|"]
     for c in result["matmul"]:
-        cells = [str(c.get(f"{k}_gflops", "-")) for k in ("packed", "gemv", "onednn", "f_linear")]
+        cells = [str(c.get(f"{k}_gflops", "-")) for k in ("packed", "packed_bf16", "gemv", "onednn", "f_linear")]
         md.append(f"| {c['shape']} | {c['rows']} | " + " | ".join(cells) + " |")
+    md += ["", "## ms per matmul against the read floor (the fp32 weight's bytes streamed by a sum)", "",
+           "| shape | rows | fp32 MB | floor ms | packed ms (of floor) | packed bf16 ms (of floor) |",
+           "|---|---|---|---|---|---|"]
+    for c in result["matmul"]:
+        cells = [f"{c[f'{k}_ms']} ({c[f'{k}_of_floor']})" if f"{k}_ms" in c else "-" for k in ("packed", "packed_bf16")]
+        md.append(f"| {c['shape']} | {c['rows']} | {c.get('weight_mb', '-')} | {c.get('floor_ms', '-')} | "
+                  + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
 
 

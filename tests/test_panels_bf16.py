@@ -98,7 +98,7 @@ def test_linear_holds_bf16_exact_weights_in_bf16_panels(f32ops, monkeypatch):
 
 
 def test_tied_bf16_exact_embedding_is_one_bf16_panel_tensor(f32ops, tmp_path, monkeypatch):
-    """An fp32 model whose tied embedding is bf16-exact (SmolLM2's is): the head holds it in bf16 panels,
+    """An fp32 model whose tied embedding is bf16-exact (a bf16 checkpoint served in fp32): the head holds it in bf16 panels,
     token embeddings come out of them exactly, and logits match the fp32-panel head bit for bit."""
     from factories import make_model_dir
 
