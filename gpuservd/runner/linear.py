@@ -12,14 +12,16 @@ rows 1: 11.4 packed, 10.5 gemv; 8: 67 / 66; 16: 114 / 69 (oneDNN 55);
 on every call) 147. As fast or faster at every row count, so the panels are
 the only copy: keeping the dense weight too for gemv / oneDNN would double the
 model's memory for no row count that needs it.
-`rows(ids)` reads dense rows back out of the panels, so a tied embedding and LM
-head stay one tensor. A weight whose every fp32 value is exactly a bf16 (checked
-at load: a checkpoint published in bf16 and served in fp32; the store's SmolLM2
-fp32 weights are not) is held in bf16 column panels instead: the kernel widens each value back to the same fp32 before
-the same FMAs, so its results are bit-identical from half the bytes (at 1-8 rows
-a matmul is a pass over its weights: a 49152 x 576 LM head, 113 MB in fp32, took 3.0 vs 5.0 ms at
-1 row, 4.1 vs 6.4 ms at 8, 2 threads, interleaved on the loaded machine). `GPUSERV_PANELS_BF16=0` keeps such a
-weight in fp32 panels (the A/B reference).
+`rows(ids)` reads dense rows back out of the panels, so a tied embedding and
+LM head stay one tensor. A weight whose every fp32 value is exactly a bf16
+(checked at load: a checkpoint published in bf16 and served in fp32; the
+store's SmolLM2 fp32 weights are not) is held in bf16 column panels instead:
+the kernel widens each value back to the same fp32 before the same FMAs, so
+its results are bit-identical from half the bytes (at 1-8 rows a matmul is a
+pass over its weights: a 49152 x 576 LM head, 113 MB in fp32, took 3.0 vs 5.0
+ms at 1 row, 4.1 vs 6.4 ms at 8, 2 threads, interleaved on the loaded
+machine). `GPUSERV_PANELS_BF16=0` keeps such a weight in fp32 panels (the A/B
+reference).
 
 The dense layout, W [out, in] as the checkpoint stores it, serves everything
 else, and fp32 under `GPUSERV_PACKED_WEIGHTS=0` (the A/B reference):

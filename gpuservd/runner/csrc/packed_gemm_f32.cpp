@@ -27,12 +27,12 @@
 // slice of the panel stays in L1 while every row block passes over it; the
 // accumulators go to y between K blocks). Either way W is read front to back.
 //
-// bf16 panels: a weight whose every value is exactly a bf16 (its fp32 low 16 bits are zero, as
-// in a checkpoint published in bf16 and served in fp32) may be held as its high halves, 32 bytes a k step
-// instead of 64 (packed_panels_f32.cpp builds them). A k step loads the 16 halves at once and
-// widens them in two integer ops (even halves: columns 0-7, odd halves: 8-15; shifting a half
-// into the high 16 bits of a zero word gives back the exact fp32), so the FMAs see the same
-// operands in the same order as with fp32 panels: bit-identical results from half the bytes.
+// bf16 panels: a weight whose every value is exactly a bf16 (its fp32 low 16 bits are zero, as in a
+// checkpoint published in bf16 and served in fp32) may be held as its high halves, 32 bytes a k step
+// instead of 64 (packed_panels_f32.cpp builds them). A k step loads the 16 halves at once and widens
+// them in two integer ops (even halves: columns 0-7, odd halves: 8-15; shifting a half into the high
+// 16 bits of a zero word gives back the exact fp32), so the FMAs see the same operands in the same
+// order as with fp32 panels: bit-identical results from half the bytes.
 //
 // Numerics: fp32 products and fp32 accumulation along k in order within a K
 // block; the bias is added once at the end. The summation order differs from
