@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpuservd.runner.linear import BF16_PANELS_SWITCH, Linear, pack_panels, unpack_panels
+from gpuservd.runner.linear import BF16_PANELS_SWITCH, HUGE_PAGES_SWITCH, Linear, pack_panels, unpack_panels
 
 
 @pytest.fixture
@@ -95,6 +95,10 @@ def test_linear_holds_bf16_exact_weights_in_bf16_panels(f32ops, monkeypatch):
     monkeypatch.delenv(BF16_PANELS_SWITCH)
     inexact = torch.randn(48, 40)
     assert Linear(inexact, b).packed.dtype == torch.float32
+    big = torch.randn(1024, 576)  # 2.4 MB of panels: a huge-page mapping unless switched off
+    assert "hg" in _vm_flags(Linear(big).packed.data_ptr())
+    monkeypatch.setenv(HUGE_PAGES_SWITCH, "0")
+    assert "hg" not in (_vm_flags(Linear(big).packed.data_ptr()) or [])
 
 
 def test_tied_bf16_exact_embedding_is_one_bf16_panel_tensor(f32ops, tmp_path, monkeypatch):
@@ -164,5 +168,7 @@ def test_large_panel_tensors_are_mapped_for_huge_pages(f32ops, bf16):
     assert torch.equal(unpack_panels(p, w.shape[0], 576), w)
     del p
     assert "hg" not in (_vm_flags(addr) or [])  # unmapped (a later mapping there is not marked)
+    plain = f32ops.pack_panels_bf16(w, False) if bf16 else f32ops.pack_panels_f32(w, False)  # the A/B switch
+    assert "hg" not in (_vm_flags(plain.data_ptr()) or []) and torch.equal(unpack_panels(plain, w.shape[0], 576), w)
     small = torch.randn(64, 64)  # under 2 MB: torch's allocator
     assert torch.equal(unpack_panels(f32ops.pack_panels_f32(small), 64, 64), small)

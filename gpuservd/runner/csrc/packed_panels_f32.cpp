@@ -11,7 +11,8 @@
 // lines, and the hardware prefetchers stop at each page's end. So a panel tensor of 2 MB or more
 // lives in its own mapping, aligned to 2 MB and marked MADV_HUGEPAGE: where transparent huge pages
 // are enabled (even "madvise" only) the kernel backs it with 2 MB pages. Elsewhere the hint is
-// ignored and the mapping stays ordinary anonymous memory.
+// ignored and the mapping stays ordinary anonymous memory. huge_pages=false keeps torch's allocator
+// (the A/B reference).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -33,11 +34,11 @@ constexpr size_t kHuge = size_t(2) << 20;      // a transparent huge page
 constexpr size_t kPage = size_t(4) << 10;
 
 // An uninitialised [P, K, 16] tensor of dtype: from a 2 MB-aligned MADV_HUGEPAGE mapping when it
-// fills at least one huge page, else from torch's allocator.
-at::Tensor panel_tensor(int64_t P, int64_t K, at::ScalarType dtype) {
+// fills at least one huge page (and huge_pages), else from torch's allocator.
+at::Tensor panel_tensor(int64_t P, int64_t K, at::ScalarType dtype, bool huge_pages) {
   const size_t bytes = static_cast<size_t>(P * K * kPanel) * c10::elementSize(dtype);
   const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-  if (bytes < kHuge) return at::empty({P, K, kPanel}, options);
+  if (bytes < kHuge || !huge_pages) return at::empty({P, K, kPanel}, options);
   const size_t len = (bytes + kPage - 1) / kPage * kPage;
   void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK(raw != MAP_FAILED, "panel weights: cannot map ", len, " bytes: ", std::strerror(errno));
@@ -94,12 +95,12 @@ inline void transpose8(__m256 r[8]) {
 // transposes 8 x 8 blocks in registers and writes each panel front to back: 1.7x torch's permuted
 // copy on a 3072 x 576 weight (1 thread); on large weights both are bound by the first-touch page
 // faults of the new tensor.
-at::Tensor pack_panels_f32(const at::Tensor& w) {
+at::Tensor pack_panels_f32(const at::Tensor& w, bool huge_pages) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
               "pack_panels_f32: W must be an fp32 [out, in] CPU tensor");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = (N + kPanel - 1) / kPanel;
-  auto out = panel_tensor(P, K, at::kFloat);
+  auto out = panel_tensor(P, K, at::kFloat, huge_pages);
   const float* src = wc.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, K * kPanel * 4));
@@ -129,14 +130,14 @@ at::Tensor pack_panels_f32(const at::Tensor& w) {
 
 // W [N, K] fp32, every value bf16-exact -> bf16 column panels [ceil(N/16), K, 16] (layout above),
 // zero padded. Refuses a W with a value that is not exactly a bf16: its panels would round it.
-at::Tensor pack_panels_bf16(const at::Tensor& w) {
+at::Tensor pack_panels_bf16(const at::Tensor& w, bool huge_pages) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
               "pack_panels_bf16: W must be an fp32 [out, in] CPU tensor");
   TORCH_CHECK(bf16_exact(w), "pack_panels_bf16: W has values that are not exactly bf16 (low 16 bits set); "
               "pack it with pack_panels_f32");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = (N + kPanel - 1) / kPanel;
-  auto out = panel_tensor(P, K, at::kBFloat16);
+  auto out = panel_tensor(P, K, at::kBFloat16, huge_pages);
   const auto* src = static_cast<const uint32_t*>(wc.data_ptr());
   auto* dst = static_cast<uint16_t*>(out.data_ptr());
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, K * kPanel * 2));
@@ -161,8 +162,8 @@ at::Tensor pack_panels_bf16(const at::Tensor& w) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpuserv, m) {
-  m.def("pack_panels_f32(Tensor w) -> Tensor");
-  m.def("pack_panels_bf16(Tensor w) -> Tensor");
+  m.def("pack_panels_f32(Tensor w, bool huge_pages=True) -> Tensor");
+  m.def("pack_panels_bf16(Tensor w, bool huge_pages=True) -> Tensor");
   m.def("bf16_exact(Tensor w) -> bool");
 }
 
