@@ -181,6 +181,11 @@ def test_running_softmax_rescales_across_steps(kernel, threads, growth):
             k_cache[blk, off] = k_cache[blk, off].abs() * (0.05 + t / 256 if growth == "rising" else 0.05)
             if growth == "sink-first" and t == 0:
                 k_cache[blk, off] = 8.0
+    assert_kernel_matches_torch(kernel, threads, q, k_cache, v_cache, batch)
+
+
+def assert_kernel_matches_torch(kernel, threads, q, k_cache, v_cache, batch):
+    """The kernel on `threads` threads gives the torch gather + SDPA path's result (fp32 bounds)."""
     scale = q.shape[-1] ** -0.5
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from gpuservd.runner import attention
-from gpuservd.runner.attention import decode_attention_torch
-from tests.test_paged_attention import _case, kernel  # noqa: F401 - the fixture
+from tests.test_paged_attention import _case, assert_kernel_matches_torch, kernel  # noqa: F401 - the fixture
 
 # Context lengths around the kernel's cuts: 1 token, one step (32), one partition (256), a partition and one
 # more token, two partitions exactly, and a long one of many partitions.
@@ -27,15 +26,7 @@ LENS = [1, 2, 31, 32, 33, 255, 256, 257, 512, 700, 1500]
 ])
 def test_split_context_matches_torch_path(kernel, threads, shape):  # noqa: F811
     q, k_cache, v_cache, batch = _case(lens=LENS, **shape, dtype=torch.float32, seed=11)
-    scale = q.shape[-1] ** -0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = kernel(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, scale)
-    finally:
-        torch.set_num_threads(before)
-    want = decode_attention_torch(q, k_cache, v_cache, batch, scale)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert_kernel_matches_torch(kernel, threads, q, k_cache, v_cache, batch)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -45,13 +36,7 @@ def test_few_long_sequences_split_over_the_threads(kernel, n, threads):  # noqa:
     partial softmax states are merged into the torch path's result."""
     q, k_cache, v_cache, batch = _case(lens=[777 - 100 * i for i in range(n)], heads=9, kv_heads=3, head_dim=64,
                                        block_size=16, dtype=torch.float32, seed=12 + n)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = kernel(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    torch.testing.assert_close(got, decode_attention_torch(q, k_cache, v_cache, batch, 0.125), atol=2e-6, rtol=1e-5)
+    assert_kernel_matches_torch(kernel, threads, q, k_cache, v_cache, batch)  # head_dim 64: scale 0.125
 
 
 @pytest.mark.parametrize("what,match", [
