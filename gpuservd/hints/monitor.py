@@ -132,7 +132,8 @@ class HintMonitor:
         # What the rules read of /admin/status, read directly: this runs on the event loop every second,
         # and the whole status (every section, formatted) took milliseconds under load.
         manager = serving.models
-        cache = {"hits": dict(manager.cache.hits), "misses": dict(manager.cache.misses),
+        counters = manager.cache.counters()
+        cache = {"hits": counters["hits"], "misses": counters["misses"],
                  "device": {"cache_size": manager.cache.config.cache_size}}  # the fields of status.weight_cache
         alert = getattr(getattr(serving.config, "cache", None), "hit_rate_alert", None)
         self.sample(now, manager.sharing.readings, {**cache, "hit_rate_alert": alert} if alert is not None else cache)

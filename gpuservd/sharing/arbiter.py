@@ -446,9 +446,7 @@ class Arbiter:
                 target = m.target_s()
                 models[m.name] = {
                     "group": m.group, "class": m.sharing_class.value, "share": round(m.share, 4),
-                    "usage": round(self._usage(m, now), 4), "duty": round(m.duty, 4),
-                    "num_slices": m.num_slices, "num_cut_short": m.num_cut_short, "run_s": round(m.run_s, 4),
-                    "wait_s": round(m.wait_s, 4), "num_steps": m.num_steps,
+                    **self._counters(m, now), "num_cut_short": m.num_cut_short, "num_steps": m.num_steps,
                     "num_throttle_waits": m.num_throttle_waits, "throttle_wait_s": round(m.throttle_wait_s, 4),
                     "decode_step_ms_p50": round(1000 * lat[len(lat) // 2], 3) if lat else None,
                     "decode_step_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
@@ -460,15 +458,17 @@ class Arbiter:
                     "overhead_share": round(self.switch_s / total, 6) if total > 0 else 0.0,
                     "num_throttle_changes": self.num_throttle_changes}
 
+    def _counters(self, m, now: float) -> dict:
+        """One model's time-slice counters, as status() and counters() give them (under the lock)."""
+        return {"usage": round(self._usage(m, now), 4), "duty": round(m.duty, 4), "num_slices": m.num_slices,
+                "run_s": round(m.run_s, 4), "wait_s": round(m.wait_s, 4)}
 
     def counters(self) -> dict:
         """What /metrics reads of status(), without the latency percentiles (a sort per model under the lock
         the engine threads take around every step)."""
         with self._cond:
             now = self.clock()
-            models = {m.name: {"run_s": round(m.run_s, 4), "wait_s": round(m.wait_s, 4), "num_slices": m.num_slices,
-                               "duty": round(m.duty, 4), "usage": round(self._usage(m, now), 4)}
-                      for m in self._models.values()}
+            models = {m.name: self._counters(m, now) for m in self._models.values()}
             return {"enabled": True, "models": models, "switch_s": round(self.switch_s, 6)}
 
 

@@ -280,11 +280,9 @@ class SharingManager:
             pool = self.pools.get(name)
             row = dict(q)
             if pool is not None:
-                per_block, _, used = pool
-                row["kv_used_bytes"] = used() * per_block
+                row["kv_used_bytes"], row["used_bytes"] = self._quota_use(name, q["weights"], q["activations"],
+                                                                          q["overhead"])
                 row["kv_cap_blocks"] = self.kv_caps.get(name)
-                row["used_bytes"] = sum(x or 0 for x in (q["weights"], q["activations"], q["overhead"])) \
-                    + row["kv_used_bytes"]
             quotas[name] = row
         arbiter = self.arbiter.status() if self.arbiter is not None else {
             "enabled": False, "reason": "sharing.enabled is false: models step whenever they have work"}
@@ -299,14 +297,16 @@ class SharingManager:
         plan's and backend's descriptions."""
         quotas = {}
         for name, q in (self.plan.quotas if self.plan is not None else {}).items():
-            pool = self.pools.get(name)
-            used = None
-            if pool is not None:
-                per_block, _, kv_used = pool
-                used = sum(x or 0 for x in (q.weights, q.activations, q.overhead)) + kv_used() * per_block
+            used = self._quota_use(name, q.weights, q.activations, q.overhead)[1] if name in self.pools else None
             quotas[name] = {"quota": q.quota, "used_bytes": used}
         arbiter = self.arbiter.counters() if self.arbiter is not None else {"enabled": False}
         return {"arbiter": arbiter, "quotas": quotas}
+
+    def _quota_use(self, name: str, *fixed: int | None) -> tuple[int, int]:
+        """(KV bytes in use, all bytes in use) of a model with a KV pool: its fixed parts plus its KV."""
+        per_block, _, used = self.pools[name]
+        kv = used() * per_block
+        return kv, sum(x or 0 for x in fixed) + kv
 
     def model_fields(self, name: str) -> dict:
         spec = self.config.sharing.model(name)
