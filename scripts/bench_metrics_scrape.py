@@ -29,7 +29,8 @@ machine does not distort the way it distorts wall time.
 `decomposition` splits the slowest 5% of the scrapes (and all of them) into the event loop thread's wait
 for a core (its schedstat run delay over the scrape: the daemon's pid comes from the Unix socket's peer),
 its CPU, the render's CPU (the response's Server-Timing header) and the rest, when the thread was asleep:
-waiting for the GIL.
+waiting for the GIL. `rendered_ahead_share`: the scrapes the daemon answered with a body it had rendered
+ahead (its Server-Timing `age`; server.metrics_max_age_ms), with those bodies' mean and largest age.
 """
 
 from __future__ import annotations
@@ -222,6 +223,15 @@ def _decompose(rows: list[dict]) -> dict:
     return out
 
 
+def _ahead(rows: list[dict]) -> dict:
+    """The share of the scrapes answered with a body rendered ahead, and those bodies' mean and max age (ms)."""
+    ages = [r["age"] for r in rows if "age" in r]
+    if not rows or not ages:
+        return {"rendered_ahead_share": 0.0}
+    return {"rendered_ahead_share": round(len(ages) / len(rows), 3), "rendered_ahead_age_mean_ms":
+            round(statistics.fmean(ages), 3), "rendered_ahead_age_max_ms": round(max(ages), 3)}
+
+
 def _cpu(c) -> dict:
     return c.get("/admin/status").json().get("process") or {}
 
@@ -271,6 +281,8 @@ def main() -> int:
             timing = _server_timing(scraper.headers)
             if "render" in timing and "render-cpu" in timing:
                 row.update(render=timing["render"], render_cpu=timing["render-cpu"])
+            if "age" in timing:  # the body was rendered ahead that long ago (the daemon's scrape cache)
+                row["age"] = timing["age"]
             if s0 and s1:
                 row.update(loop_cpu=(s1[0] - s0[0]) / 1e6, runq=(s1[1] - s0[1]) / 1e6)
             parts.append(row)
@@ -298,7 +310,7 @@ def main() -> int:
               "health_p50_ms": round(statistics.median(hs), 3), "health_p99_ms": p99(hs),
               "body_bytes": size, "series": series, "clients": args.clients,
               "tokens_per_s_meanwhile": round(received / args.seconds, 1), **idle,
-              "decomposition": _decompose(parts)}
+              "decomposition": _decompose(parts), **_ahead(parts)}
     if cpu_before and cpu_after and received:
         for key in ("cpu_s", "loop_cpu_s"):
             result[f"daemon_{key}_per_token"] = round((cpu_after[key] - cpu_before[key]) / received, 6)

@@ -83,11 +83,16 @@ def _probe_routes(serving: Serving) -> list[Route]:
     async def metrics(request: Request):
         # Server-Timing: the render's wall and CPU time on the event loop's thread, so that a scraper can
         # tell a slow render from a slow wake-up or a wait for the GIL around it (a wall above the CPU: the
-        # thread lost its core or the GIL mid-render).
+        # thread lost its core or the GIL mid-render); `age`: the body was rendered ahead that long ago
+        # (api/scrape_cache.py), the render then taking no time of the scrape's.
+        cache = request.app.state.scrape_cache
+        cache.max_age_s = serving.config.server.metrics_max_age_ms / 1e3  # read live: a reload applies
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        body = request.app.state.metrics.render()
+        body, age = cache.scrape()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         timing = f"render;dur={wall * 1e3:.3f}, render-cpu;dur={cpu * 1e3:.3f}"
+        if age is not None:
+            timing += f", age;dur={age * 1e3:.3f}"
         return Response(body, media_type=CONTENT_TYPE, headers={"Server-Timing": timing})
 
     return [

@@ -34,7 +34,7 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII without space
 
 def error_response(exc: APIError, request_id: str, metrics=None) -> JSONResponse:
     if metrics is not None:
-        metrics.http_errors.labels(str(exc.status)).inc()
+        metrics.http_error(exc.status)
     headers = {protocol.REQUEST_ID_HEADER: request_id, **exc.headers}
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"

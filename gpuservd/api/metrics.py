@@ -133,6 +133,9 @@ class Metrics:
         self._series: dict[str, _ModelSeries] = {}  # model -> its children (present while it is loaded)
         # model -> (metric, label values) of the children made on the fly (finish reasons, preemption kinds)
         self._extra: dict[str, set[tuple]] = {}
+        # bumped by what a client can observe before it scrapes (a request's end, a refusal, a model coming
+        # or going): a body rendered before the bump is not served from the scrape cache (api/scrape_cache.py)
+        self.epoch = 0
         gauges = GaugeCollector(self)
         self.registry.register(gauges)
         typed = [v for v in vars(self).values() if isinstance(v, (Counter, Histogram))]  # in the order made
@@ -151,6 +154,7 @@ class Metrics:
             self.inference.labels(model), self.request_tpot.labels(model), self.prefix_queries.labels(model),
             self.prefix_hits.labels(model))
         self._extra.setdefault(model, set())
+        self.epoch += 1
         for direction in SWAP_DIRECTIONS:
             self._child(self.swap_bytes, model, direction)
             self._child(self.swap_seconds, model, direction)
@@ -161,6 +165,7 @@ class Metrics:
         """Drop every series of a model that is gone (its engine has stopped: nothing records for it now)."""
         if self._series.pop(model, None) is None:
             return
+        self.epoch += 1
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.itl,
                        self.e2e, self.step, self.decision, self.recomputed_tokens, self.request_prompt_tokens,
                        self.request_generation_tokens, self.queue, self.prefill, self.decode, self.inference,
@@ -249,11 +254,17 @@ class Metrics:
                 s.decode.observe(end - first)
                 if out.num_output_tokens > 1:
                     s.request_tpot.observe((end - first) / (out.num_output_tokens - 1))
+        self.epoch += 1  # after the observations: a scrape that sees the new epoch renders them
 
     # ---- HTTP layer -------------------------------------------------------------------------------
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+        self.epoch += 1
+
+    def http_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
+        self.epoch += 1
 
     def render(self) -> bytes:
         return self.exposition.render()

@@ -28,6 +28,7 @@ from gpuservd.api.auth import AdminGuard
 from gpuservd.api.limits import BodyLimit
 from gpuservd.api.peer_limit import PeerConnections, peer_key
 from gpuservd.api.read_deadline import ReadDeadlines
+from gpuservd.api.scrape_cache import ScrapeCache
 from gpuservd.api.http import not_found
 
 log = logging.getLogger("gpuservd.api")
@@ -82,6 +83,8 @@ def build_app(serving, metrics, controller, tcp_token: str | None = None, admin_
     )
     app.state.serving = serving
     app.state.metrics = metrics
+    # its max age is read from the config at each scrape (a reload applies)
+    app.state.scrape_cache = ScrapeCache(lambda: metrics.render(), lambda: metrics.epoch, 0.0)
     app.state.tcp_token = tcp_token
     app.state.admin_token = admin_token
     app.add_middleware(BodyLimit, state=app.state)

@@ -40,6 +40,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # ...and its body within this after the head (a slow sender is cut off)
     max_connections_per_user: int = 256  # connections one uid may hold on the Unix socket; more -> 429; 0 = off
     metrics_public: bool = False  # true: GET /metrics over TCP needs no token (for Prometheus, endpoint pickers)
+    metrics_max_age_ms: float = 25.0  # a scrape may get a body rendered ahead up to this long ago (0 = never)
     models: list = field(default_factory=lambda: ["smollm2"])  # loaded at start
     max_queued_per_model: int = 256  # admitted requests without a first token yet, per model; more -> 429
     max_queued_per_tenant: int = 128  # the same per tenant (tenants.yaml may set its own)
@@ -60,6 +61,8 @@ class ServerConfig:
         for name in ("max_queued_per_model", "max_queued_per_tenant", "max_n", "event_queue_size", "backlog"):
             if getattr(self, name) < 1:
                 raise UserError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.metrics_max_age_ms <= 1000:
+            raise UserError(f"server.metrics_max_age_ms must be in [0, 1000], got {self.metrics_max_age_ms}")
         if not 0 <= self.admission_window_ms <= 100:
             raise UserError(f"server.admission_window_ms must be in [0, 100], got {self.admission_window_ms}")
         if self.drain_timeout < 0:
@@ -131,7 +134,7 @@ class ServerConfig:
 HOT_FIELDS = ("max_queued_per_model", "max_queued_per_tenant", "max_n", "drain_timeout", "admission_window_ms",
               "tenants_file", "profiles_dir", "log_level", "log_requests", "models", "versions", "log_prompts",
               "max_body_bytes", "max_connections_per_user",
-              "metrics_public")
+              "metrics_public", "metrics_max_age_ms")
 
 
 def parse_tcp(addr: str) -> tuple[str, int]:
