@@ -24,11 +24,12 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 300])
-def test_rms_norm_and_residual_add(ops, dtype, rows):
+@pytest.mark.parametrize("dim", [96, 76, 5])  # the fp32 kernel's 32-lane loop; + its 8-lane loop and tail; tail only
+def test_rms_norm_and_residual_add(ops, dtype, rows, dim):
     g = torch.Generator().manual_seed(rows)
-    h = (torch.randn(rows, 96, generator=g) * 3).to(dtype)
-    d = torch.randn(rows, 96, generator=g).to(dtype)
-    w = torch.randn(96, generator=g).to(dtype)
+    h = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    d = torch.randn(rows, dim, generator=g).to(dtype)
+    w = torch.randn(dim, generator=g).to(dtype)
     torch.testing.assert_close(ops.rms_norm(h, w, 1e-5), rms_norm(h, w, 1e-5), **TOL[dtype])
     want_h = h + d
     want = rms_norm(want_h, w, 1e-6)
@@ -142,3 +143,44 @@ def test_rope_store_kv_fp32_is_apply_rope_bit_for_bit(ops, dim):
     ops.rope_store_kv(got, cos, sin, k_cache, v_cache, torch.arange(tokens), heads, kv_heads)
     assert torch.equal(got[:, : heads + kv_heads], apply_rope(qkv[:, : heads + kv_heads], cos, sin))
     assert torch.equal(k_cache.view(-1, kv_heads, dim)[:tokens], got[:, heads : heads + kv_heads])
+
+
+class _CountingOps:
+    """The kernels' namespace, counting the calls of each op."""
+
+    def __init__(self, ops):
+        self._ops, self.calls = ops, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+
+        def counted(*a):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a)
+        return counted
+
+
+def test_fused_forward_adds_each_residual_and_norms_the_next_layer_in_one_op(ops, tmp_path):
+    """A layer's closing residual add and the next layer's input norm run as one add_rms_norm_, so a forward
+    of L layers makes one rms_norm call (layer 0) and 2L - 1 add_rms_norm_ calls; a forward suspended between
+    layers and resumed (which norms h again) gives the uninterrupted forward's logits bit for bit."""
+    make_hf_model(tmp_path, "llama")
+    arch = load_arch(tmp_path)
+    weights = load_weights(tmp_path, arch, torch.float32, torch.device("cpu"))
+    model = LlamaModel(arch, weights, 128, torch.float32, "cpu")
+    model._ops = counting = _CountingOps(ops)
+    logits = []
+    for suspend_at in (None, 0):
+        cache = KVCache(cache_shape(arch, 4, torch.float32), 16, torch.device("cpu"))
+        prompt = list(range(3, 14))
+        batch = build_batch([SeqChunk(prompt, 0, cache.pool.allocate(3), True)], 4, torch.device("cpu"))
+        counting.calls = {}
+        if suspend_at is None:
+            logits.append(model.forward(batch, cache.layer))
+            assert counting.calls["rms_norm"] == 1
+            assert counting.calls["add_rms_norm_"] == 2 * arch.num_layers - 1
+        else:
+            cp = model.forward(batch, cache.layer, suspend=lambda i: i == suspend_at)
+            assert cp.next_layer == suspend_at + 1
+            logits.append(model.forward(batch, cache.layer, resume=cp))
+    assert arch.num_layers >= 2 and torch.equal(logits[0], logits[1])

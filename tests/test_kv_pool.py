@@ -71,3 +71,22 @@ def test_layer_views_are_made_once_and_see_the_cache():
     assert cache.kv[1, 0, 2, 3, 1].eq(7.0).all() and cache.kv[1, 1, 4, 0, 0].eq(-2.0).all()
     assert cache.kv[0].eq(0).all() and cache.kv[2].eq(0).all()
     assert k1.shape == (5, 4, 2, 8)
+
+
+def test_cpu_kv_pool_is_private_anonymous_memory():
+    """The CPU pool is a private anonymous mapping (first-touch faults are cheaper than shared memory's),
+    zero and lazily backed."""
+    import sys
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/maps")
+    cache = KVCache(CacheShape(2, 2, 4, 8, torch.float32), 4096, torch.device("cpu"))
+    addr = cache.kv.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            assert perms == "rw-p", line
+            break
+    else:
+        pytest.fail("the pool's address is in no mapping")
+    assert cache.layer(1)[0].abs().sum().item() == 0

@@ -53,7 +53,7 @@ class LlamaModel:
     def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):
         """One decoder layer on hidden states h [T, D]; rope = (cos, sin) of the batch. Returns the new h [T, D]."""
         if self._ops is not None:
-            return self._layer_forward_fused(i, h, kv, batch, rope)
+            return self._layer_forward_fused(i, h, kv, batch, rope)[0]
         a = self.arch
         lw: LayerWeights = self.weights.layer(i)
         x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
@@ -70,12 +70,17 @@ class LlamaModel:
         gate, up = lw.gate_up(x).chunk(2, dim=-1)  # [T, I] each
         return h + lw.down(F.silu(gate) * up)
 
-    def _layer_forward_fused(self, i: int, h: torch.Tensor, kv, batch: ForwardBatch, rope) -> torch.Tensor:
-        """layer_forward with one C++ op per elementwise step; updates h in place (h is the residual stream)."""
+    def _layer_forward_fused(self, i: int, h: torch.Tensor, kv, batch: ForwardBatch, rope,
+                             x: torch.Tensor | None = None, fuse_next: bool = False):
+        """layer_forward with one C++ op per elementwise step; updates h in place (h is the residual stream).
+        x: h under this layer's input norm when the previous layer made it (else it is made here).
+        fuse_next: the closing residual add and the next layer's input norm run as one op (one call and one
+        pass over h fewer a layer) and this returns (h, x_next); else (h, None)."""
         a, ops = self.arch, self._ops
         lw: LayerWeights = self.weights.layer(i)
         t = h.shape[0]
-        x = ops.rms_norm(h, lw.input_norm, a.rms_norm_eps)
+        if x is None:
+            x = ops.rms_norm(h, lw.input_norm, a.rms_norm_eps)
         qkv = lw.qkv(x).view(t, a.num_heads + 2 * a.num_kv_heads, a.head_dim)  # [T, H + 2 KVH, hd]
         # q and k heads rotated in place, this step's k and v stored in their cache slots.
         ops.rope_store_kv(qkv, rope[0], rope[1], kv[0], kv[1], batch.slots, a.num_heads, a.num_kv_heads)
@@ -87,7 +92,11 @@ class LlamaModel:
         x = ops.add_rms_norm_(h, lw.o_proj(attn.reshape(t, self._q_size)), lw.post_norm, a.rms_norm_eps)
         if self.mid_layer is not None:
             self.mid_layer(i)
-        return h.add_(lw.down(ops.silu_mul(lw.gate_up(x))))
+        delta = lw.down(ops.silu_mul(lw.gate_up(x)))
+        if not fuse_next:
+            return h.add_(delta), None
+        # The next layer's weights asked for only now: a layered load may still be bringing them in.
+        return h, ops.add_rms_norm_(h, delta, self.weights.layer(i + 1).input_norm, a.rms_norm_eps)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.weights.embed_tokens(batch.input_ids)  # [T, D]
@@ -108,10 +117,14 @@ class LlamaModel:
             h, start = resume.hidden, resume.next_layer
         rope = self.rope.lookup(batch.positions)
         last = self.arch.num_layers - 1
+        x = None  # the fused path: h under the next layer's input norm, made by the layer before
         for i in range(start, self.arch.num_layers):
-            h = self.layer_forward(i, h, kv_layers(i), batch, rope)
+            if self._ops is None:
+                h = self.layer_forward(i, h, kv_layers(i), batch, rope)
+            else:
+                h, x = self._layer_forward_fused(i, h, kv_layers(i), batch, rope, x, fuse_next=i < last)
             if suspend is not None and i < last and suspend(i):
-                return LayerCheckpoint(batch, h, i + 1)
+                return LayerCheckpoint(batch, h, i + 1)  # x is h's norm: a resumed forward makes it again
         return self.logits(h, batch)
 
 

@@ -59,6 +59,39 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps)
 }
 
 #if GPUSERV_AVX2
+// fp32 rows, 8 lanes at a time with four sums: the scalar loop's one running sum is a chain of dependent
+// adds (~3 cycles an element: ~12 us of CPU for an 8 x 576 decode batch, twice a layer); this is ~10x less.
+// The sum of squares is added in another order than the scalar loop's; the products are the same.
+template <>
+void rms_rows<float>(const float* x, const float* w, float* y, int64_t rows, int64_t D, double eps) {
+  using namespace gpuserv_simd;
+  at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * D;
+      float* yr = y + r * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t c = 0;
+      for (; c + 32 <= D; c += 32) {
+        const __m256 v0 = _mm256_loadu_ps(xr + c), v1 = _mm256_loadu_ps(xr + c + 8);
+        const __m256 v2 = _mm256_loadu_ps(xr + c + 16), v3 = _mm256_loadu_ps(xr + c + 24);
+        a0 = _mm256_fmadd_ps(v0, v0, a0), a1 = _mm256_fmadd_ps(v1, v1, a1);
+        a2 = _mm256_fmadd_ps(v2, v2, a2), a3 = _mm256_fmadd_ps(v3, v3, a3);
+      }
+      for (; c + 8 <= D; c += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + c);
+        a0 = _mm256_fmadd_ps(v, v, a0);
+      }
+      float ss = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+      for (; c < D; ++c) ss += xr[c] * xr[c];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (c = 0; c + 8 <= D; c += 8)
+        _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+      for (; c < D; ++c) yr[c] = w[c] * (xr[c] * inv);
+    }
+  });
+}
+
 // bf16 rows, 8 lanes at a time (the scalar loops above cost ~1 ms of a 32-sequence bf16 decode step);
 // the sum of squares is added in another order than the scalar loop's, the roundings are the same.
 template <>
