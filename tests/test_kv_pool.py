@@ -90,3 +90,17 @@ def test_cpu_kv_pool_is_private_anonymous_memory():
     else:
         pytest.fail("the pool's address is in no mapping")
     assert cache.layer(1)[0].abs().sum().item() == 0
+
+
+def test_freed_blocks_without_content_are_reused_before_unused_and_cached_ones():
+    """A freed block with no content hash is handed out next (memory already written, no cached block
+    evicted); a freed cached block waits at the back of the queue (LRU)."""
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2]
+    pool.cache(a[0], b"h0")
+    pool.free(a[::-1])  # 2, 1 uncached; 0 cached
+    assert pool.allocate(2) == [1, 2]  # the freed uncached ones, not 3 and 4 (never used)
+    assert pool.lookup(b"h0") == 0
+    assert pool.allocate(5) == [3, 4, 5, 6, 7]
+    assert pool.allocate(1) == [0] and pool.num_evicted == 1  # the cached block goes last

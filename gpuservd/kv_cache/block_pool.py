@@ -94,8 +94,11 @@ class BlockPool:
             self._refcount[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the back of the free queue
-        (give a request's blocks last-first, so its prefix is evicted last)."""
+        """Drop one reference from each block; cached blocks reaching zero join the back of the free queue
+        (give a request's blocks last-first, so its prefix is evicted last), blocks without a content hash
+        the front: they hold nothing findable, so handing them out next evicts no cached block, and it
+        reuses memory already written instead of a never-used block (on the CPU the pool is lazily
+        zeroed: a block first written costs 6 page faults a layer, ~1 ms over SmolLM2's 30 layers)."""
         for b in block_ids:
             rc = self._refcount[b]
             if rc < 1:
@@ -103,6 +106,8 @@ class BlockPool:
             self._refcount[b] = rc - 1
             if rc == 1:
                 self._free[b] = None
+                if b not in self._hash_of:
+                    self._free.move_to_end(b, last=False)
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
