@@ -90,6 +90,24 @@ def test_a_body_from_before_an_observable_event_is_not_served(event):
     asyncio.run(main())
 
 
+def test_a_scrape_handled_late_does_not_move_the_next_ones_render_ahead():
+    """A scraper on a 50 ms schedule whose fourth scrape the daemon handled 15 ms late (more than the lead):
+    the render-ahead is still planned for the fifth scrape's time on the schedule, not 50 ms after the late one."""
+    async def main():
+        src = Source()
+        cache = src.cache()
+        start = src.now
+        for k, late in enumerate((0.0, 0.0, 0.0, 0.015)):
+            src.now = start + k * PERIOD + late
+            cache.scrape()
+        loop = asyncio.get_running_loop()
+        planned = cache._timer.when() - loop.time()  # from now (start + 3 * PERIOD + 15 ms) on the loop's clock
+        assert planned == pytest.approx(PERIOD - 0.015 - LEAD * MAX_AGE, abs=0.01)  # 30 ms off if it moved
+        cache.close()
+
+    asyncio.run(main())
+
+
 def test_max_age_zero_renders_every_scrape_and_plans_nothing():
     async def main():
         src = Source()

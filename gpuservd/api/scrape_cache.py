@@ -25,6 +25,8 @@ from typing import Callable
 # Render ahead this share of max_age before the scrape is expected: a scrape that comes up to that much early
 # still finds the body, and one up to max_age * (1 - LEAD) late too.
 LEAD = 0.4
+# Scrape times kept for the period's median and the next scrape's due time.
+KEEP_SCRAPES = 5
 # Periods longer than this are not predicted: a scraper that pauses for minutes gets a fresh render.
 MAX_PERIOD_S = 60.0
 
@@ -41,7 +43,7 @@ class ScrapeCache:
         self._body: bytes | None = None
         self._rendered_at = 0.0
         self._rendered_epoch = -1
-        self._scrapes: list[float] = []  # the last two scrapes' times, for the period
+        self._scrapes: list[float] = []  # the last few scrapes' times, for the period and the next one's due time
         self._timer: asyncio.TimerHandle | None = None
         self.hits = 0  # scrapes answered with a body rendered ahead (tests and benchmarks read it)
 
@@ -53,7 +55,7 @@ class ScrapeCache:
             body, age = self._fresh(), None
         else:
             self.hits += 1
-        self._scrapes = [*self._scrapes[-1:], now]
+        self._scrapes = [*self._scrapes[-(KEEP_SCRAPES - 1):], now]
         self._plan(now)
         return body, age
 
@@ -64,17 +66,23 @@ class ScrapeCache:
         return body
 
     def _plan(self, now: float) -> None:
-        """Render ahead one period after this scrape, LEAD * max_age early."""
+        """Render ahead LEAD * max_age before the next scrape is due. The period is the median of the last
+        few (a scrape the daemon handled late makes one period long and the next short); the next scrape is
+        due one period after the least delayed of the recent ones, projected forward (a late scrape does not
+        move the scraper's own schedule)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.max_age_s <= 0 or len(self._scrapes) < 2:
+        times = self._scrapes
+        if self.max_age_s <= 0 or len(times) < 2:
             return
-        period = self._scrapes[1] - self._scrapes[0]
-        if period > MAX_PERIOD_S:
+        periods = sorted(b - a for a, b in zip(times, times[1:]))
+        period = periods[len(periods) // 2]
+        if not 0 < period <= MAX_PERIOD_S:
             return
+        due = min(t + (len(times) - i) * period for i, t in enumerate(times))
         # a period shorter than the lead: at once (the body is then about one period old at the next scrape)
-        delay = max(0.0, period - LEAD * self.max_age_s)
+        delay = max(0.0, due - LEAD * self.max_age_s - now)
         self._timer = asyncio.get_running_loop().call_at(self._loop_time(now) + delay, self._ahead)
 
     def _loop_time(self, now: float) -> float:
