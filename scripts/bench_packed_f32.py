@@ -17,9 +17,20 @@
    Linears (layers and the tied LM head) against the dense ones the engine ran before
    (GPUSERV_PACKED_WEIGHTS=0: gemv up to 32 rows, oneDNN above), alternating blocks of steps; medians.
 
+0. The ceilings first (scripts/cpu_ceilings.py): this CPU's fp32 FMA peak (independent-chain FMA loop,
+   1 and --threads threads) and its read bandwidth (the decode-floor probe). Every matmul case then says
+   its roofline time, max(weight bytes / read bandwidth, 2 rows N K / FMA peak), which ceiling sets it
+   (`bound`: read at few rows, fma at many) and `packed_of_roofline` = roofline / packed time.
+   --no-ceilings skips them (the fractions are then left out).
+
+--baseline REV adds the variant `packed_base`: packed_linear_f32 as of git revision REV (its
+packed_gemm_f32.cpp built beside the current one under another op namespace), alternated with the
+current kernel in the same process, for a before/after of a kernel change.
+
 --threads 1 times with process CPU time (fair on a loaded machine), 2+ with wall time.
 
     .venv/bin/python scripts/bench_packed_f32.py --out bench/results/DATE-cpu-packed-f32 --threads 2
+    .venv/bin/python scripts/bench_packed_f32.py --out DIR --no-steps --variants packed --baseline HEAD~3
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +53,8 @@ from gpuservd.runner import cpu_kernels
 from gpuservd.runner.linear import Linear, onednn_available, pack_panels
 from gpuservd.runner.model_runner import ModelRunner
 
-from bench_cpu_kernels import ab_decode_steps, bench_command_line  # scripts/ is on sys.path when run as a script
+import cpu_ceilings  # scripts/ is on sys.path when run as a script
+from bench_cpu_kernels import ab_decode_steps, bench_command_line
 from bench_packed import _swap_linears
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -48,6 +62,29 @@ SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down
 STREAM_BYTES = 256 << 20  # distinct copies per shape: more than the caches hold
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 256)
 VARIANTS = ("packed", "packed_bf16", "gemv", "onednn", "f_linear")
+BASE_NS = "gpuserv_f32base"  # the op namespace of --baseline's kernel
+
+
+def baseline_ops(rev: str):
+    """packed_linear_f32 as of git revision `rev`, built under the op namespace BASE_NS."""
+    from torch.utils.cpp_extension import load  # only here: the other cases need no compiler
+
+    root = Path(__file__).resolve().parent.parent
+    rel = cpu_kernels.CSRC.relative_to(root)
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    build = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpuserv_f32base_{sha}"
+    build.mkdir(parents=True, exist_ok=True)
+    for name in ("packed_gemm_f32.cpp", "simd.h"):
+        text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{rel}/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+            text = text.replace(f"{macro}(gpuserv,", f"{macro}({BASE_NS},")
+        (build / name).write_text(text)
+    load(name=f"gpuserv_f32base_{sha}", sources=[str(build / "packed_gemm_f32.cpp")],
+         extra_cflags=cpu_kernels._cflags(), extra_ldflags=["-fopenmp"], build_directory=str(build),
+         is_python_module=False, verbose=False)
+    return getattr(torch.ops, BASE_NS)
 
 
 def read_floor(tensors, reps: int, clock) -> float:
@@ -62,7 +99,7 @@ def read_floor(tensors, reps: int, clock) -> float:
     return best
 
 
-def shape_cases(name: str, rows_list, reps: int, clock, wanted) -> list[dict]:
+def shape_cases(name: str, rows_list, reps: int, clock, wanted, base=None, ceilings=None, threads=2) -> list[dict]:
     ops = cpu_kernels.get()
     n, k = SHAPES[name]
     g = torch.Generator().manual_seed(n + k)
@@ -77,12 +114,13 @@ def shape_cases(name: str, rows_list, reps: int, clock, wanted) -> list[dict]:
         variants = {
             "packed": lambda: [ops.packed_linear_f32(x, w, n, None) for w in packed],
             "packed_bf16": lambda: [ops.packed_linear_f32(x, w, n, None) for w in halves],
+            "packed_base": lambda: [base.packed_linear_f32(x, w, n, None) for w in packed],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in dense],
             "f_linear": lambda: [F.linear(x, w) for w in dense],
         }
         if rows <= 64:
             variants["gemv"] = lambda: [ops.gemv(x, w, None) for w in dense]
-        variants = {v: f for v, f in variants.items() if v in wanted}
+        variants = {v: f for v, f in variants.items() if v in wanted or (v == "packed_base" and base is not None)}
         best = {v: float("inf") for v in variants}
         names = list(variants)
         with torch.inference_mode():
@@ -98,6 +136,13 @@ def shape_cases(name: str, rows_list, reps: int, clock, wanted) -> list[dict]:
             case[f"{v}_gflops"] = round(2 * rows * n * k * copies / t / 1e9, 1)
             case[f"{v}_ms"] = round(t / copies * 1e3, 3)
             case[f"{v}_of_floor"] = round(floor * copies / t, 2)
+        if ceilings is not None:
+            roof, bound = cpu_ceilings.roofline_s(rows, n, k, n * k * 4, ceilings, threads)
+            case.update(roofline_ms=round(roof * 1e3, 3), bound=bound)
+            for v, t in best.items():
+                case[f"{v}_of_roofline"] = round(roof * copies / t, 2)
+                case[f"{v}_of_peak"] = round(2 * rows * n * k * copies / t / 1e9
+                                             / cpu_ceilings.peak_gflops(ceilings, threads), 2)
         out.append(case)
         print(json.dumps(case), flush=True)
     return out
@@ -140,6 +185,7 @@ def main():
         ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ",".join(SHAPES))
         ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
         ap.add_argument("--no-steps", action="store_true", help="skip the whole decode steps")
+        ap.add_argument("--no-ceilings", action="store_true", help="skip the FMA-peak and read-bandwidth probes")
 
     args = bench_command_line(__doc__, 5, render_md, extra)
     if args is None:
@@ -152,12 +198,18 @@ def main():
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared",
               "torch": torch.__version__, "threads": args.threads,
               "clock": "wall" if args.threads > 1 else "process_cpu"}
+    base = baseline_ops(args.baseline) if args.baseline else None
+    result["baseline"] = args.baseline
     load = ForeignLoad()
     with load:
+        ceilings = None if args.no_ceilings else cpu_ceilings.measure(args.threads)
+        result["ceilings"] = ceilings
+        print(json.dumps({"ceilings": ceilings}), flush=True)
         rows = [int(r) for r in args.rows.split(",")] if args.rows else (1, 8, 32, 256) if args.quick else ROWS
         wanted = set(args.variants.split(","))
         result["matmul"] = [c for name in args.shapes.split(",")
-                            for c in shape_cases(name, rows, 2 if args.quick else args.reps, clock, wanted)]
+                            for c in shape_cases(name, rows, 2 if args.quick else args.reps, clock, wanted, base,
+                                                 ceilings, args.threads)]
         if not args.no_steps and (models_root() / args.model / "config.json").exists():
             result["decode_step"] = decode_steps(args, args.threads)
     result["foreign_cpu_share"] = load.share
@@ -170,6 +222,25 @@ def render_md(result: dict) -> str:
           f"{result['when']}, {result['machine']}, torch {result['torch']}, {result['threads']} thread(s), "
           f"{result['clock']} time; other processes used {'?' if share is None else f'{100 * share:.0f}%'} of the "
           "machine's CPU while it ran.", ""]
+    ceil = result.get("ceilings")
+    if ceil:
+        fma = ", ".join(f"{f['threads']} thread(s) x {f['acc']} chains {f['gflops_cpu']} (wall {f['gflops_wall']})"
+                        for f in ceil["fma"])
+        reads = ", ".join(f"{t} thread(s) {v} GB/s" for t, v in ceil["read_gb_s"].items())
+        md += ["## Ceilings (scripts/cpu_ceilings.py)", "",
+               f"fp32 FMA GFLOP/s per CPU-second: {fma}. Read bandwidth: {reads}.", "",
+               "| shape | rows | bound | roofline ms | packed ms | packed of roofline | packed of FMA peak |"
+               + (" base ms | base of roofline |" if result.get("baseline") else ""),
+               "|---|---|---|---|---|---|---|" + ("---|---|" if result.get("baseline") else "")]
+        for c in result["matmul"]:
+            if "roofline_ms" not in c or "packed_ms" not in c:
+                continue
+            row = (f"| {c['shape']} | {c['rows']} | {c['bound']} | {c['roofline_ms']} | {c['packed_ms']} | "
+                   f"{c['packed_of_roofline']} | {c['packed_of_peak']} |")
+            if result.get("baseline"):
+                row += f" {c.get('packed_base_ms', '-')} | {c.get('packed_base_of_roofline', '-')} |"
+            md.append(row)
+        md.append("")
     if result.get("decode_step"):
         md += ["## Whole decode step, fp32, context 50 (medians)", "",
                "| batch | packed ms | dense (gemv <= 32 rows / oneDNN) ms | speedup |", "|---|---|---|---|"]

@@ -1,0 +1,60 @@
+"""scripts/cpu_ceilings.py: the FMA-peak probe counts the work it did, and the roofline picks the ceiling
+that binds (the read at few rows, the FMAs at many). No speed is asserted: the machine may be shared."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(scope="module")
+def ceilings():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location("cpu_ceilings", SCRIPTS / "cpu_ceilings.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_fma_probe_counts_each_threads_flops(ceilings):
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler: the probe cannot be built here")
+    import torch
+
+    r = ceilings.probe().fma_chains(1000, 2, 8)
+    assert r.shape == (2, 4)
+    vector = bool({"avx2", "fma"} <= ceilings.cpu_kernels._cpu_flags())
+    per_iter = 8 * (16 if vector else 2)  # 8 chains of 8 lanes x (multiply + add), or scalar chains
+    assert torch.equal(r[:, 0], torch.full((2,), 1000.0 * per_iter, dtype=torch.float64))
+    assert (r[:, 1] > 0).all() and (r[:, 2] >= 0).all()
+    assert torch.isfinite(r[:, 3]).all()  # the chains converge instead of overflowing
+    with pytest.raises(RuntimeError, match="acc must be"):
+        ceilings.probe().fma_chains(10, 1, 5)
+    peak = ceilings.fma_peak(1, 8, seconds=0.01, repeats=1)
+    assert peak["threads"] == 1 and peak["gflops_wall"] > 0 and peak["gflops_cpu"] > 0
+    assert torch.get_num_threads() >= 1
+
+
+def test_roofline_binds_on_the_read_at_few_rows_and_the_fmas_at_many(ceilings):
+    c = {"fma": [{"threads": 2, "acc": 12, "gflops_cpu": 200.0, "gflops_wall": 190.0},
+                 {"threads": 2, "acc": 4, "gflops_cpu": 100.0, "gflops_wall": 100.0}],
+         "read_gb_s": {"2": 30.0}}
+    assert ceilings.peak_gflops(c, 2) == 200.0  # the latency-bound 4-chain rate is not the peak
+    n, k = 3072, 576
+    w = n * k * 4
+    t1, b1 = ceilings.roofline_s(1, n, k, w, c, 2)
+    assert b1 == "read" and t1 == pytest.approx(w / 30e9)
+    t64, b64 = ceilings.roofline_s(64, n, k, w, c, 2)
+    assert b64 == "fma" and t64 == pytest.approx(2 * 64 * n * k / 200e9)
+    # the crossing: 2 rows N K / peak = 4 N K / bw  ->  rows = 2 peak / bw ~ 13.3
+    assert ceilings.roofline_s(13, n, k, w, c, 2)[1] == "read"
+    assert ceilings.roofline_s(14, n, k, w, c, 2)[1] == "fma"
