@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpuservd.errors import UserError
-from gpuservd.runner.omp import (DEFAULT_THREADS, ENGINE_PRIORITY_ENV, WORKER_PRIORITY_ENV, engine_priority,
-                                  worker_priority)
+from gpuservd.runner.omp import DEFAULT_THREADS, WORKER_PRIORITY_ENV, worker_priority
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,11 +52,8 @@ loop = EngineLoop("tiny", lambda: make_engine(Path(sys.argv[1])), _RecordingLoop
 loop.submit(Submission("r1", [3, 4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True), Sink()))
 loop.start()
 assert done.wait(120)
-def level(t):  # "idle" for SCHED_IDLE, "batch" for SCHED_BATCH, else the nice value
-    policy = os.sched_getscheduler(t)
-    if policy == os.SCHED_IDLE:
-        return "idle"
-    return "batch" if policy == os.SCHED_BATCH else os.getpriority(os.PRIO_PROCESS, t)
+def level(t):  # "idle" for SCHED_IDLE, else the nice value
+    return "idle" if os.sched_getscheduler(t) == os.SCHED_IDLE else os.getpriority(os.PRIO_PROCESS, t)
 nice = {int(t): level(int(t)) for t in os.listdir("/proc/self/task")}
 python = sorted(t.native_id for t in threading.enumerate())
 loop.stop()
@@ -65,13 +61,11 @@ print(json.dumps({"nice": nice, "python": python, "engine": engine_tid[0], "main
 """
 
 
-def _run(tiny_model_dir, nice: str | None, engine: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in (WORKER_PRIORITY_ENV, ENGINE_PRIORITY_ENV)}
+def _run(tiny_model_dir, nice: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != WORKER_PRIORITY_ENV}
     env["PYTHONPATH"] = str(ROOT)
     if nice is not None:
         env[WORKER_PRIORITY_ENV] = nice
-    if engine is not None:
-        env[ENGINE_PRIORITY_ENV] = engine
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(ROOT / "tests")], capture_output=True,
                        text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -106,39 +100,6 @@ def test_by_default_the_workers_run_under_sched_idle(tiny_model_dir):
     workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
     assert workers and set(workers.values()) == {"idle"}, got
     assert got["nice"][got["engine"]] == 0 and got["nice"][got["main"]] == 0, got
-
-
-@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
-@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
-def test_the_engine_thread_runs_at_its_own_nice_value_and_the_loops_thread_does_not(tiny_model_dir):
-    got = _run(tiny_model_dir, None, "3")
-    assert got["nice"][got["engine"]] == 3 and got["nice"][got["main"]] == 0, got
-    workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
-    assert workers and set(workers.values()) == {"idle"}, got  # the pool's workers below it still
-
-
-@pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
-@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
-def test_the_engine_thread_can_run_under_sched_batch(tiny_model_dir):
-    got = _run(tiny_model_dir, None, "batch")
-    assert got["nice"][got["engine"]] == "batch" and got["nice"][got["main"]] == 0, got
-    workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
-    # libgomp's workers start with their master's policy; the sweep still moves them to SCHED_IDLE
-    assert workers and set(workers.values()) == {"idle"}, got
-
-
-def test_a_bad_engine_priority_says_what_to_set(monkeypatch):
-    monkeypatch.setenv(ENGINE_PRIORITY_ENV, "-2")
-    with pytest.raises(UserError, match=ENGINE_PRIORITY_ENV):
-        engine_priority()
-    monkeypatch.setenv(ENGINE_PRIORITY_ENV, "low")
-    with pytest.raises(UserError, match="0-19 or 'batch'"):
-        engine_priority()
-    monkeypatch.setenv(ENGINE_PRIORITY_ENV, " Batch ")
-    assert engine_priority() == "batch"
-    monkeypatch.delenv(ENGINE_PRIORITY_ENV)
-    assert engine_priority() == 0
 
 
 def test_a_bad_priority_says_what_to_set(monkeypatch):

@@ -41,8 +41,7 @@ from gpuservd.serving.routing import VersionRouter
 from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
 from gpuservd.paths import make_private_dir, user_socket
 from gpuservd.runner import cpu_isa
-from gpuservd.daemon.gil import apply_switch_interval
-from gpuservd.runner.omp import engine_priority, worker_priority
+from gpuservd.runner.omp import worker_priority
 from gpuservd.serving.tenants import TenantMap
 
 log = logging.getLogger("gpuservd")
@@ -441,8 +440,6 @@ def run_daemon(config: Path | None = None, socket_path: str | None = None, tcp: 
     """Build and run the daemon in this process; returns its exit code (raises UserError on bad config)."""
     cpu_isa.apply()  # before the first tensor op: the libraries read their ISA variables on first use
     worker_priority()  # a bad GPUSERV_OMP_WORKER_PRIORITY stops the start, not each engine thread later
-    engine_priority()  # the same for GPUSERV_ENGINE_THREAD_PRIORITY
-    apply_switch_interval()  # before any engine thread starts
     raise_fd_limit()
     daemon = Daemon(config, socket_path, tcp, models, log_level, demo)
     setup_logging(daemon.cfg.server.log_level)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from gpuservd.engine.calls import EngineFacts
 from gpuservd.errors import UserError
 from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
-from gpuservd.runner.omp import PoolPriority, lower_engine_thread
+from gpuservd.runner.omp import PoolPriority
 
 log = logging.getLogger("gpuservd.engine.loop")
 
@@ -270,7 +270,6 @@ class EngineLoop:
                     log.exception("engine thread %s: exit hook failed", self.model)
 
     def _loop_body(self) -> None:
-        lower_engine_thread()  # the event loop preempts it when a request or a scrape wakes the loop
         try:
             engine = self.engine = self._build()
         except BaseException as exc:

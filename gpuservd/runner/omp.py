@@ -14,15 +14,12 @@ thread of the daemon that may touch a tensor runs its ops on itself alone (`use_
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
 import torch
 
 from gpuservd.errors import UserError
-
-log = logging.getLogger("gpuservd.runner.omp")
 
 # torch's own choice for this process (OMP_NUM_THREADS, else its count of cores), read once at import,
 # before any thread of ours has set a count: torch.set_num_threads also changes the value later threads
@@ -106,48 +103,6 @@ def demote_pool_workers(priority: int | str) -> list[int] | None:
         except OSError:  # the thread exited since the listing
             continue
     return changed
-
-
-# The engine's own thread (the OpenMP team's master, which runs the step's Python and holds the GIL between
-# ops) may run at a mildly lower CPU weight than the event loop's thread (GPUSERV_ENGINE_THREAD_PRIORITY:
-# a nice value 0-19, or "batch" for Linux's SCHED_BATCH at the thread's nice value). Both threads otherwise
-# share a core at equal weight, so a scrape or a new request that wakes the loop waits for the engine's
-# time slice to end. A mild nice (2-5) lets the loop preempt it at once while the engine keeps nearly all of
-# the CPU the loop leaves; a high one starves the GIL holder, and the loop then waits for the GIL instead.
-ENGINE_PRIORITY_ENV = "GPUSERV_ENGINE_THREAD_PRIORITY"
-BATCH = "batch"
-DEFAULT_ENGINE_PRIORITY = 0
-
-
-def engine_priority() -> int | str:
-    """The engine thread's nice value, or "batch". Read at the daemon's start, so a bad value stops it there."""
-    raw = os.environ.get(ENGINE_PRIORITY_ENV, "").strip().lower() or str(DEFAULT_ENGINE_PRIORITY)
-    if raw == BATCH:
-        return BATCH if hasattr(os, "SCHED_BATCH") else 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UserError(f"{ENGINE_PRIORITY_ENV} must be a nice value 0-19 or 'batch', got {raw!r}") from None
-    if not 0 <= value <= 19:
-        raise UserError(f"{ENGINE_PRIORITY_ENV} must be a nice value 0-19 or 'batch', got {value}")
-    return value
-
-
-def lower_engine_thread(priority: int | str | None = None) -> int | str:
-    """Lower the calling thread (an engine's) to `priority` (None: the environment's); returns what it set."""
-    priority = engine_priority() if priority is None else priority
-    if not priority:
-        return priority
-    tid = threading.get_native_id()
-    try:
-        if priority == BATCH:
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-        elif os.getpriority(os.PRIO_PROCESS, tid) < priority:
-            os.setpriority(os.PRIO_PROCESS, tid, priority)
-    except OSError as exc:  # a sandbox may refuse; the engine runs at the priority it has
-        log.warning("could not lower the engine thread: %s", exc)
-        return 0
-    return priority
 
 
 class PoolPriority:
