@@ -216,3 +216,51 @@ def test_displacement_follows_the_order(order, aged, displaced):
     s.add(Request("short", [5] * 4, SamplingParams(max_tokens=2), arrival_time=1))
     out = s.schedule()
     assert (out.preempted_ids == ["long"]) is displaced
+
+
+# -- deferral: a much larger request waits for a wide batch of smaller ones to narrow -----------------
+def deferring(model_dir, ratio: float, min_running: int = 2, max_num_seqs: int = 4) -> LLMEngine:
+    eng = engine(model_dir, max_num_seqs=max_num_seqs, mode="off")
+    eng.config.scheduler.defer_ratio = ratio
+    eng.config.scheduler.defer_min_running = min_running
+    return eng
+
+
+@pytest.mark.parametrize("ratio", [0.0, 2.0])
+def test_a_long_request_joins_a_wide_batch_of_short_ones_only_once_it_narrows(tiny_model_dir, ratio):
+    """Three shorts (8 + 3 tokens) and a long (8 + 24, over twice their size) with a free slot for each:
+    without deferral the long takes its slot at once; with it, it waits while 2 or more shorts run and
+    starts when the shorts finish. Outputs are the same tokens either way."""
+    eng = deferring(tiny_model_dir, ratio)
+    eng.add_request("long", prompt(0), params(24))
+    for i in range(3):
+        eng.add_request(f"short{i}", prompt(10 + i), params(3))
+    first, done, tokens, _ = run(eng)
+    shorts_done = max(done[f"short{i}"] for i in range(3))
+    if ratio:
+        assert first["long"] > shorts_done - 1  # admitted at the step the last shorts finished, not before
+    else:
+        assert first["long"] == 0
+    alone = engine(tiny_model_dir, order="fcfs", mode="off", max_num_seqs=1)
+    alone.add_request("long", prompt(0), params(24))
+    assert tokens["long"] == run(alone)[2]["long"]
+
+
+def test_deferral_keeps_the_aging_bound(tiny_model_dir):
+    """Two short requests (4 + 2 tokens) at the start and one more every step, so 2+ always run and a slot
+    is free: the long one (8 + 24 = 32 tokens, over twice a short's 6) is deferred until aging brings its
+    claim under 2 x 6 = 12 (step 21), within its 32-step bound. A deferral without aging would keep it out
+    for the whole stream."""
+    eng = deferring(tiny_model_dir, ratio=2.0)
+    for i in range(2):
+        eng.add_request(f"first{i}", prompt(300 + i, 4), params(2))
+    eng.add_request("long", prompt(0), params(24))
+    first, _, _, _ = run(eng, _stream_of_shorts(eng, until=80))
+    assert 32 - 12 <= first["long"] <= 32 + 2
+
+
+def test_bad_deferral_is_a_clear_error():
+    for bad in ({"defer_ratio": 1.0}, {"defer_ratio": -2}, {"defer_min_running": 0}):
+        with pytest.raises(UserError, match=r"scheduler.defer_ratio must be 0 \(off\) or > 1"):
+            config_from_dict({"scheduler": bad})
+    assert config_from_dict({"scheduler": {"defer_ratio": 0}}).scheduler.defer_ratio == 0

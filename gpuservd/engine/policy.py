@@ -34,6 +34,11 @@ def remaining_work(r: Request) -> int:
     return max(0, r.num_prompt_tokens - r.num_computed_tokens) + r.remaining_estimate
 
 
+def total_work(r: Request) -> int:
+    """Tokens the request costs from start to end (prompt + max_tokens): its size, whatever it has done."""
+    return r.num_prompt_tokens + r.params.max_tokens
+
+
 class WorkOrder:
     """Shortest remaining work first, with aging so that long requests are never starved.
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 
 from gpuservd.config import Order, PreemptionConfig, SchedulerConfig
-from gpuservd.engine.policy import Policy, WorkOrder, queue_key
+from gpuservd.engine.policy import Policy, WorkOrder, queue_key, total_work
 from gpuservd.engine.preemption import (AutoMode, CostModel, Granularity, MoveKind, PreemptionMode,
                                         plan_kind)
 from gpuservd.engine.quota import UNLIMITED, TenantQuota
@@ -384,11 +384,12 @@ class Scheduler:
         usable = self._usable_blocks()
         just_preempted = set(out.preempted_ids)
         reserved = self.reserved_blocks()
+        largest = max((total_work(r) for r in self.running), default=0)
         for req in list(self.waiting):
             if (token_budget <= 0 or prefill_budget <= 0 or prefill_seqs >= cfg.max_num_prefill_seqs
                     or len(self.running) >= cfg.max_num_seqs):
                 return
-            if req.request_id in just_preempted:
+            if req.request_id in just_preempted or self._deferred(req, largest):
                 continue
             queried = self.kv.num_lookup_tokens(req)
             prefix = self.kv.find_cached_prefix(req)
@@ -418,6 +419,7 @@ class Scheduler:
             if req.scheduled_time is None:
                 req.scheduled_time = req.admitted_time
             self.running.append(req)
+            largest = max(largest, total_work(req))
             seqs[req.tenant] = seqs.get(req.tenant, 0) + 1
             blocks[req.tenant] = blocks.get(req.tenant, 0) + charge
             self._add_chunk(out, req, num_new)
@@ -425,6 +427,17 @@ class Scheduler:
             if num_new > 1:
                 prefill_budget -= num_new
                 prefill_seqs += 1
+
+    def _deferred(self, req: Request, largest: int) -> bool:
+        """Whether admission passes `req` over this step: while at least `defer_min_running` sequences
+        run (a compute-bound step, where a long request's row slows every shorter co-runner), a request
+        whose aged claim is `defer_ratio` times the size (prompt + max_tokens) of the largest running one
+        or more. Sizes, not remaining work, on the running side: a running request's remaining work
+        shrinks as it runs and would defer requests of its own size. Under fcfs every claim is 0."""
+        cfg = self.config
+        if not self.order.srf or not cfg.defer_ratio or len(self.running) < cfg.defer_min_running:
+            return False
+        return self.claim(req) >= cfg.defer_ratio * largest
 
     def _resume(self, out: SchedulerOutput, req: Request, num_new: int, prefix=None) -> bool:
         """Give an admitted request the device blocks it needs (swap-in, dropped prefix, first chunk
