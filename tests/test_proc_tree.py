@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -49,3 +50,43 @@ def test_a_process_that_is_gone_is_its_tree_alone():
     p = subprocess.Popen(["true"])
     p.wait()
     assert proc_tree.tree_pids(p.pid) == [p.pid]  # its CPU and RSS read as 0, as under the scan
+
+
+# -- a bench killed with SIGTERM stops the server it started ------------------------------------------
+BENCH = """
+import socket, sys, time
+from pathlib import Path
+from gpuservd.bench.server_process import ServerProcess, ServerSpec
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+spec = ServerSpec(name="http.server", cmd=[sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                  ready_path="/", base_url=f"http://127.0.0.1:{port}", ready_timeout_s=60)
+with ServerProcess(spec, Path(sys.argv[1])) as server:
+    print(server.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_bench_ended_by_sigterm_stops_its_server(tmp_path):
+    """`timeout` around a bench sends SIGTERM: the server (in a session of its own) must not outlive it."""
+    bench = subprocess.Popen([sys.executable, "-c", BENCH, str(tmp_path / "server.log")], stdout=subprocess.PIPE,
+                             text=True)
+    server_pid = int(bench.stdout.readline())
+    assert os.path.exists(f"/proc/{server_pid}")
+    try:
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(60)
+        deadline = time.monotonic() + 30
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server_pid)
+    finally:
+        if _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self.ready_s: float | None = None  # seconds from start to the first 200 on ready_path
+        self._old_sigterm = None
 
     @property
     def pid(self) -> int:
@@ -106,13 +108,32 @@ class ServerProcess:
             pass
 
     def __enter__(self) -> "ServerProcess":
+        self._old_sigterm = _raise_on_sigterm()
         self.start()
         try:
             self.wait_ready()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+
+
+def _raise_on_sigterm():
+    """While a server runs, SIGTERM (a `timeout` around the bench, a CI job's end) raises in the main
+    thread so that the `with` block stops the server: Python's default ends the process at once, and
+    the server, in a session of its own, would run on as an orphan on the cores the next run measures.
+    Returns the handler to restore (None off the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, interrupt)
