@@ -61,7 +61,7 @@ def main() -> None:
                            Path("bench/runs/http-tail-threads"))
     stop.set()
     sampler.join()
-    steps = max(t.output_tokens for t in run.timings)
+    steps = max(t.output_tokens for t in run.requests)
     print(f"{n} streams x {tokens} tokens: wall {run.wall_s:.1f} s, ~{steps} steps, "
           f"{1000 * run.wall_s / steps:.1f} ms a step")
     rows = []
