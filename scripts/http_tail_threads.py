@@ -39,21 +39,18 @@ def main() -> None:
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     reqs = [WorkloadRequest(f"r{i}", "long", 0.0, [100 + (i * 7 + j) % 500 for j in range(32)], tokens,
                             model="smollm2") for i in range(n)]
-    first: dict = {}
-    last: dict = {}
+    snaps: list[tuple[float, dict]] = []
     stop = threading.Event()
 
     def sample() -> None:
-        while not stop.wait(0.5):
+        while not stop.wait(0.25):
             snap = {}
             for pid in tree_pids(os.getpid()):
                 try:
                     snap.update(threads(pid))
                 except OSError:
                     pass
-            for k, v in snap.items():
-                first.setdefault(k, v)  # a thread's first sighting starts its window
-            last.update(snap)
+            snaps.append((time.perf_counter(), snap))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -64,8 +61,16 @@ def main() -> None:
     steps = max(t.output_tokens for t in run.requests)
     print(f"{n} streams x {tokens} tokens: wall {run.wall_s:.1f} s, ~{steps} steps, "
           f"{1000 * run.wall_s / steps:.1f} ms a step")
+    # The window: from the run's start to its last response, the daemon's start-up and stop left out (the
+    # last snapshot that still sees all the daemon's threads ends it).
+    daemon_size = max(len(s) for _, s in snaps)
+    end_t, last = next((t, s) for t, s in reversed(snaps) if len(s) == daemon_size)
+    t0, first = min(((t, s) for t, s in snaps if t >= end_t - run.wall_s), key=lambda ts: ts[0])
+    print(f"window {end_t - t0:.1f} s of the run's {run.wall_s:.1f} s")
     rows = []
     for k, (name, r1, w1, s1) in last.items():
+        if k not in first:
+            continue
         _, r0, w0, s0 = first[k]
         if r1 - r0 > 1e6 or w1 - w0 > 1e6:
             rows.append((k, name, (r1 - r0) / 1e6, (w1 - w0) / 1e6, s1 - s0))
