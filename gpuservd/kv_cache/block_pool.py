@@ -7,9 +7,10 @@ Reference counts make a block shareable (prefix sharing, a swap in flight).
 
 Prefix caching: a full block may carry a content hash (`cache`). When its last
 reference goes, it stays findable by that hash (`lookup`) while it waits in
-the free queue; it is evicted only when `allocate` reaches it. Freed blocks
-join the back of the queue and allocation takes from the front, so the cached
-block unused the longest goes first (LRU). A cached block at refcount 0 counts
+the free queue; it is evicted only when `allocate` reaches it. Freed cached
+blocks join the back of the queue (uncached ones the front: see `free`) and
+allocation takes from the front, so the cached block unused the longest goes
+first (LRU). A cached block at refcount 0 counts
 as free: it costs nothing to take back.
 """
 
