@@ -1,7 +1,7 @@
 """This CPU's two ceilings for a matmul: the fp32 FMA rate and the read bandwidth, per core and for N threads.
 
 - FMA peak: a loop of independent 8-lane fp32 FMAs (`acc[i] = acc[i] * m + c`, ACC chains), built with the
-  same torch cpp_extension machinery and flags as the runner's kernels (runner/cpu_kernels.py). With 8 or
+  same ISA flags as the runner's kernels (runner/cpu_kernels.py), one std::thread per thread. With 8 or
   more chains (2 FMA pipes x 4 cycles of latency on Zen 3) it runs at the core's peak; with 4 it shows the
   latency-bound rate a tile with too few accumulators gets. Each thread times itself twice: wall time and
   its own CPU time (CLOCK_THREAD_CPUTIME_ID). On a shared machine the CPU-time rate is the core's true rate
@@ -17,21 +17,30 @@ bound by the read, many by the FMAs. bench_packed_f32.py reports every shape as 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 
 from gpuservd.bench.floor import measure_read_bandwidth
 from gpuservd.runner import cpu_kernels
 
-# One function per chain count; each thread writes (flops, wall s, cpu s). The chains' values stay finite
-# (x * 0.999999 + 1e-7 converges), and their sum is returned through `sink` so the loop is not removed.
+# One function per chain count; each thread writes (flops, wall s, cpu s, the chains' sum). The chains' values
+# stay finite (x * 0.999999 + 1e-7 converges), and their sum is written out so the loop is not removed. Plain
+# C++ with std::thread, no torch headers: it builds in about a second (a torch extension took ~40 s), with
+# the runner's kernels' ISA flags so the FMAs are the ones the kernels issue.
 _SOURCE = r"""
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <stdint.h>
 #include <time.h>
+#include <thread>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -72,36 +81,58 @@ void chains(int64_t iters, double* out) {
 }
 }  // namespace
 
-// [threads, 4]: per thread its flops, wall seconds, CPU seconds and the chains' sum.
-torch::Tensor fma_chains(int64_t iters, int64_t threads, int64_t acc) {
-  TORCH_CHECK(acc == 4 || acc == 8 || acc == 12, "fma_chains: acc must be 4, 8 or 12");
-  auto out = torch::zeros({threads, 4}, torch::kFloat64);
-  double* o = out.data_ptr<double>();
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (acc == 4) chains<4>(iters, o + 4 * t);
-      else if (acc == 8) chains<8>(iters, o + 4 * t);
-      else chains<12>(iters, o + 4 * t);
-    }
-  });
-  return out;
+// out: [threads][4], per thread its flops, wall seconds, CPU seconds and the chains' sum. -1: a bad acc.
+extern "C" int fma_chains(int64_t iters, int64_t threads, int64_t acc, double* out) {
+  if (acc != 4 && acc != 8 && acc != 12) return -1;
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([=] {
+      if (acc == 4) chains<4>(iters, out + 4 * t);
+      else if (acc == 8) chains<8>(iters, out + 4 * t);
+      else chains<12>(iters, out + 4 * t);
+    });
+  for (auto& th : pool) th.join();
+  return 0;
 }
 """
 
-_module = None
+
+class _Probe:
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.fma_chains
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+
+    def fma_chains(self, iters: int, threads: int, acc: int) -> torch.Tensor:
+        """[threads, 4] float64: per thread its flops, wall seconds, CPU seconds and the chains' sum."""
+        out = torch.zeros((threads, 4), dtype=torch.float64)
+        if self._fn(iters, threads, acc, out.data_ptr()) != 0:
+            raise RuntimeError(f"fma_chains: acc must be 4, 8 or 12, got {acc}")
+        return out
 
 
-def probe():
-    """The compiled probe (built once into torch's extension cache, like the runner's kernels)."""
+_module: _Probe | None = None
+
+
+def probe() -> _Probe:
+    """The compiled probe, built once into the user's cache (keyed by its source and flags)."""
     global _module
     if _module is None:
-        from torch.utils.cpp_extension import load_inline  # only to build: the rest needs no compiler
-
-        flags = cpu_kernels._cflags()
-        key = hashlib.sha256((_SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
-        _module = load_inline(f"gpuserv_fma_probe_{key}", cpp_sources=_SOURCE,
-                              functions=["fma_chains"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              verbose=False)
+        flags = [f for f in cpu_kernels._cflags() if f != "-fopenmp"] + ["-shared", "-fPIC", "-pthread"]
+        key = hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:12]
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuserv"
+        lib = cache / f"fma_probe_{key}.so"
+        if not lib.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            compiler = shutil.which("c++") or shutil.which("g++")
+            if compiler is None:
+                raise RuntimeError("no C++ compiler (c++ or g++) on PATH: the FMA probe cannot be built")
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: no half-written .so
+                src, built = Path(tmp) / "probe.cpp", Path(tmp) / "probe.so"
+                src.write_text(_SOURCE)
+                subprocess.run([compiler, *flags, str(src), "-o", str(built)], check=True, capture_output=True)
+                os.replace(built, lib)
+        _module = _Probe(ctypes.CDLL(str(lib)))
     return _module
 
 
@@ -109,21 +140,16 @@ def fma_peak(threads: int, acc: int = 12, seconds: float = 0.25, repeats: int = 
     """GFLOP/s of `acc` independent FMA chains on `threads` threads, best of `repeats` runs of ~`seconds`:
     the sum over threads of each thread's flops / its wall time and / its CPU time."""
     mod = probe()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        r = mod.fma_chains(1000, threads, acc)  # warm-up; also sizes the loop
-        rate = r[:, 0].sum().item() / max(r[:, 1].max().item(), 1e-6)
-        iters = max(1000, int(1000 * seconds * rate / r[:, 0].sum().item()))
-        best_wall = best_cpu = 0.0
-        for _ in range(repeats):
-            r = mod.fma_chains(iters, threads, acc)
-            best_wall = max(best_wall, (r[:, 0] / r[:, 1]).sum().item() / 1e9)
-            best_cpu = max(best_cpu, (r[:, 0] / r[:, 2].clamp(min=1e-9)).sum().item() / 1e9)
-            assert math.isfinite(r[:, 3].sum().item())
-        return {"threads": threads, "acc": acc, "gflops_wall": round(best_wall, 1), "gflops_cpu": round(best_cpu, 1)}
-    finally:
-        torch.set_num_threads(before)
+    r = mod.fma_chains(1000, threads, acc)  # warm-up; also sizes the loop
+    rate = r[:, 0].sum().item() / max(r[:, 1].max().item(), 1e-6)
+    iters = max(1000, int(1000 * seconds * rate / r[:, 0].sum().item()))
+    best_wall = best_cpu = 0.0
+    for _ in range(repeats):
+        r = mod.fma_chains(iters, threads, acc)
+        best_wall = max(best_wall, (r[:, 0] / r[:, 1]).sum().item() / 1e9)
+        best_cpu = max(best_cpu, (r[:, 0] / r[:, 2].clamp(min=1e-9)).sum().item() / 1e9)
+        assert math.isfinite(r[:, 3].sum().item())
+    return {"threads": threads, "acc": acc, "gflops_wall": round(best_wall, 1), "gflops_cpu": round(best_cpu, 1)}
 
 
 def measure(threads: int = 2) -> dict:
