@@ -49,26 +49,31 @@ LAYERS_MAX = 30
 CACHE_BYTES_MAX = 1 << 30  # per case, over all its layers
 
 
-def baseline_ops(rev: str):
-    """paged_decode as of git revision `rev`, built under the op namespace gpuserv_base."""
+def kernel_at_revision(rev: str, source: str, namespace: str):
+    """The kernel file `source` (with simd.h) as of git revision `rev`, built with the runner's flags under
+    the op namespace `namespace` (so it loads beside today's kernels); returns torch.ops.<namespace>."""
     from torch.utils.cpp_extension import load  # only here: the bench's other cases need no compiler
 
     root = Path(__file__).resolve().parent.parent
     rel = cpu_kernels.CSRC.relative_to(root)
     sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True, capture_output=True,
                          text=True).stdout.strip()
-    build = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpuserv_paged_base_{sha}"
+    build = Path(os.environ.get("TMPDIR", "/tmp")) / f"{namespace}_{sha}"
     build.mkdir(parents=True, exist_ok=True)
-    for name in ("paged_attention.cpp", "simd.h"):
+    for name in (source, "simd.h"):
         text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{rel}/{name}"], check=True,
                               capture_output=True, text=True).stdout
-        text = text.replace("TORCH_LIBRARY(gpuserv,", "TORCH_LIBRARY(gpuserv_base,")
-        text = text.replace("TORCH_LIBRARY_IMPL(gpuserv,", "TORCH_LIBRARY_IMPL(gpuserv_base,")
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+            text = text.replace(f"{macro}(gpuserv,", f"{macro}({namespace},")
         (build / name).write_text(text)
-    load(name=f"gpuserv_paged_base_{sha}", sources=[str(build / "paged_attention.cpp")],
-         extra_cflags=cpu_kernels._cflags(), extra_ldflags=["-fopenmp"], build_directory=str(build),
-         is_python_module=False, verbose=False)
-    return torch.ops.gpuserv_base
+    load(name=f"{namespace}_{sha}", sources=[str(build / source)], extra_cflags=cpu_kernels._cflags(),
+         extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
+    return getattr(torch.ops, namespace)
+
+
+def baseline_ops(rev: str):
+    """paged_decode as of git revision `rev`, under the op namespace gpuserv_base."""
+    return kernel_at_revision(rev, "paged_attention.cpp", "gpuserv_base")
 
 
 def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: int = 0, base=None) -> dict:

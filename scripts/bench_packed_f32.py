@@ -39,9 +39,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +52,7 @@ from gpuservd.runner.linear import Linear, onednn_available, pack_panels
 from gpuservd.runner.model_runner import ModelRunner
 
 import cpu_ceilings  # scripts/ is on sys.path when run as a script
-from bench_cpu_kernels import ab_decode_steps, bench_command_line
+from bench_cpu_kernels import ab_decode_steps, bench_command_line, kernel_at_revision
 from bench_packed import _swap_linears
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -67,24 +65,7 @@ BASE_NS = "gpuserv_f32base"  # the op namespace of --baseline's kernel
 
 def baseline_ops(rev: str):
     """packed_linear_f32 as of git revision `rev`, built under the op namespace BASE_NS."""
-    from torch.utils.cpp_extension import load  # only here: the other cases need no compiler
-
-    root = Path(__file__).resolve().parent.parent
-    rel = cpu_kernels.CSRC.relative_to(root)
-    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    build = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpuserv_f32base_{sha}"
-    build.mkdir(parents=True, exist_ok=True)
-    for name in ("packed_gemm_f32.cpp", "simd.h"):
-        text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{rel}/{name}"], check=True,
-                              capture_output=True, text=True).stdout
-        for macro in ("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
-            text = text.replace(f"{macro}(gpuserv,", f"{macro}({BASE_NS},")
-        (build / name).write_text(text)
-    load(name=f"gpuserv_f32base_{sha}", sources=[str(build / "packed_gemm_f32.cpp")],
-         extra_cflags=cpu_kernels._cflags(), extra_ldflags=["-fopenmp"], build_directory=str(build),
-         is_python_module=False, verbose=False)
-    return getattr(torch.ops, BASE_NS)
+    return kernel_at_revision(rev, "packed_gemm_f32.cpp", BASE_NS)
 
 
 def read_floor(tensors, reps: int, clock) -> float:
