@@ -10,7 +10,6 @@ recent non-step events, so a console that connects late has context.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict
 
 from starlette.requests import Request
@@ -18,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gpuservd.api import protocol
+from gpuservd.api.fast_scrape import scrape
 from gpuservd.api.http import StreamResponse, endpoint
 from gpuservd.api.metrics import CONTENT_TYPE
 from gpuservd.api.protocol import APIError
@@ -81,18 +81,9 @@ def _probe_routes(serving: Serving) -> list[Route]:
 
     @endpoint(public=lambda _request: serving.config.server.metrics_public)
     async def metrics(request: Request):
-        # Server-Timing: the render's wall and CPU time on the event loop's thread, so that a scraper can
-        # tell a slow render from a slow wake-up or a wait for the GIL around it (a wall above the CPU: the
-        # thread lost its core or the GIL mid-render); `age`: the body was rendered ahead that long ago
-        # (api/scrape_cache.py), the render then taking no time of the scrape's.
-        cache = request.app.state.scrape_cache
-        cache.max_age_s = serving.config.server.metrics_max_age_ms / 1e3  # read live: a reload applies
-        wall0, cpu0 = time.perf_counter(), time.thread_time()
-        body, age = cache.scrape()
-        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
-        timing = f"render;dur={wall * 1e3:.3f}, render-cpu;dur={cpu * 1e3:.3f}"
-        if age is not None:
-            timing += f", age;dur={age * 1e3:.3f}"
+        # a plain GET /metrics is answered before it gets here (api/fast_scrape.py), with the same body and
+        # headers; this route serves the rest (a query string, HTTP/1.0, a split or pipelined request, ...)
+        body, timing = scrape(request.app.state)
         return Response(body, media_type=CONTENT_TYPE, headers={"Server-Timing": timing})
 
     return [

@@ -75,6 +75,10 @@ class ReadDeadlines:
         elif not cycle.more_body:
             self._disarm()
 
+    def request_done(self) -> None:
+        """A request was answered without going through h11 (api/fast_scrape.py): its head's clock stops."""
+        self._disarm()
+
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)

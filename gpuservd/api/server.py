@@ -25,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gpuservd.api import admin_routes, openai_routes
 from gpuservd.api.auth import AdminGuard
+from gpuservd.api.fast_scrape import FastScrape, ScrapeSource
 from gpuservd.api.limits import BodyLimit
 from gpuservd.api.peer_limit import PeerConnections, peer_key
 from gpuservd.api.read_deadline import ReadDeadlines
@@ -46,9 +47,10 @@ def peer_credentials(sock) -> tuple[int, int, int] | None:
         return None
 
 
-class PeerCredProtocol(ReadDeadlines, H11Protocol):
-    """uvicorn's h11 protocol plus the peer's credentials in scope["state"], with read deadlines and a
-    limit on the connections one peer holds (`peers`, shared by a server's connections; None = none)."""
+class PeerCredProtocol(FastScrape, ReadDeadlines, H11Protocol):
+    """uvicorn's h11 protocol plus the peer's credentials in scope["state"], with read deadlines, a
+    limit on the connections one peer holds (`peers`, shared by a server's connections; None = none)
+    and plain GET /metrics answered without the ASGI stack (`scrapes`: api/fast_scrape.py)."""
 
     peers: PeerConnections | None = None
 
@@ -101,12 +103,14 @@ class Server(uvicorn.Server):
 
 
 def make_server(app, server_cfg) -> Server:
-    """server_cfg: daemon_config.ServerConfig (backlog, read deadlines, connections per peer)."""
+    """server_cfg: daemon_config.ServerConfig (backlog, read deadlines, connections per peer); app: build_app's
+    (its state serves the fast scrapes). The server's `scrapes` counts them."""
 
     class Protocol(PeerCredProtocol):
         header_timeout_s = server_cfg.header_timeout_s
         body_timeout_s = server_cfg.body_timeout_s
         peers = PeerConnections(lambda: server_cfg.max_connections_per_user)  # read live: a reload applies
+        scrapes = ScrapeSource(app.state)
 
     config = uvicorn.Config(
         app,
@@ -120,4 +124,6 @@ def make_server(app, server_cfg) -> Server:
         timeout_graceful_shutdown=5,
         ws="none",
     )
-    return Server(config)
+    server = Server(config)
+    server.scrapes = Protocol.scrapes
+    return server
