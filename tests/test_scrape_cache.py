@@ -135,6 +135,75 @@ def test_one_render_ahead_at_most_after_the_last_scrape():
     asyncio.run(main())
 
 
+async def _refreshed(src: Source, renders: int) -> None:
+    """Let the loop run the refresh that a bump queued from another thread (a few iterations at most)."""
+    for _ in range(20):
+        if src.renders >= renders:
+            return
+        await asyncio.sleep(0)
+
+
+def test_a_bump_after_the_render_ahead_renders_again_before_the_scrape():
+    """A request that ends after the render-ahead (the epoch bumped on an engine thread): the body is rendered
+    again on the loop at once, and the scrape finds it ready; a second bump before the scrape renders
+    nothing more (once per scrape), and the scrape then renders its own."""
+    async def main():
+        src = Source()
+        cache = src.cache()
+        await _two_scrapes(src, cache)  # render 3: ahead of the third scrape
+        src.epoch += 1
+        await asyncio.to_thread(cache.stale)
+        await _refreshed(src, 4)
+        src.now += LEAD * MAX_AGE
+        body, age = cache.scrape()
+        assert body == b"render 4\n" and age is not None and src.renders == 4
+        src.now += PERIOD - LEAD * MAX_AGE
+        await asyncio.sleep(PERIOD)  # render 5, ahead of the fourth
+        for _ in range(2):
+            src.epoch += 1
+            await asyncio.to_thread(cache.stale)
+            await _refreshed(src, 7)
+        assert src.renders == 6  # one render again, not two
+        src.now += LEAD * MAX_AGE
+        assert cache.scrape() == (b"render 7\n", None)
+        cache.close()
+
+    asyncio.run(main())
+
+
+def test_a_bump_before_the_render_ahead_costs_no_render():
+    async def main():
+        src = Source()
+        cache = src.cache()
+        cache.scrape()
+        src.now += PERIOD
+        cache.scrape()  # the render-ahead is planned, not yet run
+        src.epoch += 1
+        await asyncio.to_thread(cache.stale)
+        await _refreshed(src, 3)
+        assert src.renders == 2  # the planned render-ahead will see the bump
+        cache.close()
+
+    asyncio.run(main())
+
+
+def test_metrics_bumps_tell_the_scrape_cache(home):  # noqa: F811
+    """The app wires Metrics.on_epoch to its scrape cache; each kind of bump calls it."""
+    from gpuservd.api.metrics import Metrics
+    from gpuservd.api.server import build_app
+
+    metrics = Metrics()
+    app = build_app(None, metrics, None)
+    assert metrics.on_epoch == app.state.scrape_cache.stale
+    calls = []
+    metrics.on_epoch = lambda: calls.append(metrics.epoch)
+    metrics.add_model("m")
+    metrics.rejected("queue_full")
+    metrics.http_error(404)
+    metrics.remove_model("m")
+    assert calls == [1, 2, 3, 4]
+
+
 def test_metrics_max_age_ms_is_checked():
     with pytest.raises(UserError, match="server.metrics_max_age_ms"):
         daemon_config_from_dict({"server": {"metrics_max_age_ms": -1}})
@@ -171,8 +240,9 @@ def test_the_daemon_serves_bodies_rendered_ahead_and_a_finished_request_is_in_th
         assert served and all(0 <= a <= 1000 for a in served), ages
         before = _successes(fams, "tiny")
         await complete(client, "tiny")  # ends after the render-ahead planned by the last scrape
+        # its end rendered the body again on the loop (ScrapeCache.stale), or this scrape renders it
         fams, age = _scraped(await client.get("/metrics"))
-        assert _successes(fams, "tiny") == before + 1 and age is None
+        assert _successes(fams, "tiny") == before + 1
         # the request's histograms came with it
         count = [s.value for s in fams["vllm:e2e_request_latency_seconds"].samples
                  if s.name.endswith("_count") and s.labels["model_name"] == "tiny"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -136,6 +137,7 @@ class Metrics:
         # bumped by what a client can observe before it scrapes (a request's end, a refusal, a model coming
         # or going): a body rendered before the bump is not served from the scrape cache (api/scrape_cache.py)
         self.epoch = 0
+        self.on_epoch: Callable[[], None] | None = None  # called on the bumping thread after each bump
         gauges = GaugeCollector(self)
         self.registry.register(gauges)
         typed = [v for v in vars(self).values() if isinstance(v, (Counter, Histogram))]  # in the order made
@@ -154,18 +156,17 @@ class Metrics:
             self.inference.labels(model), self.request_tpot.labels(model), self.prefix_queries.labels(model),
             self.prefix_hits.labels(model))
         self._extra.setdefault(model, set())
-        self.epoch += 1
         for direction in SWAP_DIRECTIONS:
             self._child(self.swap_bytes, model, direction)
             self._child(self.swap_seconds, model, direction)
         for reason in FINISH_REASONS:
             self._child(self.success, model, reason)
+        self._bump()  # after the change, as every bump: a body rendered before it is not served
 
     def remove_model(self, model: str) -> None:
         """Drop every series of a model that is gone (its engine has stopped: nothing records for it now)."""
         if self._series.pop(model, None) is None:
             return
-        self.epoch += 1
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.itl,
                        self.e2e, self.step, self.decision, self.recomputed_tokens, self.request_prompt_tokens,
                        self.request_generation_tokens, self.queue, self.prefill, self.decode, self.inference,
@@ -177,6 +178,7 @@ class Metrics:
             self.exposition.forget(metric, labels)
         for key in [k for k in self._last_token if k[0] == model]:
             self._last_token.pop(key, None)
+        self._bump()
 
     def _child(self, metric, model: str, *rest: str):
         """A child with labels beyond the model's, remembered so that remove_model can drop it."""
@@ -254,17 +256,22 @@ class Metrics:
                 s.decode.observe(end - first)
                 if out.num_output_tokens > 1:
                     s.request_tpot.observe((end - first) / (out.num_output_tokens - 1))
-        self.epoch += 1  # after the observations: a scrape that sees the new epoch renders them
+        self._bump()  # after the observations: a scrape that sees the new epoch renders them
 
     # ---- HTTP layer -------------------------------------------------------------------------------
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
-        self.epoch += 1
+        self._bump()
 
     def http_error(self, status: int) -> None:
         self.http_errors.labels(str(status)).inc()
+        self._bump()
+
+    def _bump(self) -> None:
         self.epoch += 1
+        if self.on_epoch is not None:
+            self.on_epoch()
 
     def render(self) -> bytes:
         return self.exposition.render()

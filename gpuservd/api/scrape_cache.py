@@ -13,7 +13,10 @@ a step's end, the gauges read the step's snapshot; vLLM's own gauges likewise), 
 here. Events a client can observe are never hidden behind an older body: a request's end (its counters and
 request histograms), a refusal, and a model's arrival or departure each bump `Metrics.epoch`, and a body
 rendered before the bump is not served. So a client that got its response and then scrapes sees its
-request counted.
+request counted. A bump that comes after the render-ahead and before the scrape it was for (requests end
+several times a second while streams run) renders again at once on the loop (`stale`), so that this
+scrape too finds its body ready instead of rendering it; once per expected scrape, so a flood of refusals
+costs at most one extra render a scrape.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class ScrapeCache:
         self._rendered_epoch = -1
         self._scrapes: list[float] = []  # the last few scrapes' times, for the period and the next one's due time
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop scrapes come on (known from the first)
+        self._awaited = False  # a body was rendered ahead and its scrape has not come yet
+        self._refresh_queued = False
         self.hits = 0  # scrapes answered with a body rendered ahead (tests and benchmarks read it)
 
     def scrape(self) -> tuple[bytes, float | None]:
@@ -56,6 +62,8 @@ class ScrapeCache:
         else:
             self.hits += 1
         self._scrapes = [*self._scrapes[-(KEEP_SCRAPES - 1):], now]
+        self._awaited = False
+        self._loop = asyncio.get_running_loop()
         self._plan(now)
         return body, age
 
@@ -93,8 +101,28 @@ class ScrapeCache:
     def _ahead(self) -> None:
         self._timer = None
         self._fresh()
+        self._awaited = True
+
+    def stale(self) -> None:
+        """Any thread: the epoch moved (Metrics.on_epoch). A body rendered ahead for a scrape still to come
+        is rendered again on the loop now, once per expected scrape."""
+        loop = self._loop
+        if loop is None or not self._awaited or self._refresh_queued:
+            return
+        self._refresh_queued = True
+        try:
+            loop.call_soon_threadsafe(self._refresh)
+        except RuntimeError:  # the loop is closed: the daemon is exiting
+            pass
+
+    def _refresh(self) -> None:
+        self._refresh_queued = False
+        if self._awaited and self._rendered_epoch != self._epoch():
+            self._awaited = False  # at most one render again before the scrape comes
+            self._fresh()
 
     def close(self) -> None:
+        self._awaited = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
