@@ -17,8 +17,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import ROOT, DaemonProcess, make_home, free_port
-from gpuservd.daemon.loop_slice import thread_slice_ns
-from test_loop_slice import needs_slices
 
 DOCS = ROOT / "docs" / "observability"
 TOKEN = "obs-token"
@@ -139,9 +137,3 @@ def test_metrics_public_opens_metrics_over_tcp_and_nothing_else(daemon):
             daemon.write_config({**daemon.config, "server": {**daemon.config["server"], "metrics_public": False}})
             assert unix.post("/admin/reload").json()["reloaded"] is True
         assert tcp.get("/metrics").status_code == 401
-
-
-@needs_slices
-def test_the_event_loop_thread_runs_on_a_short_slice(daemon):
-    """The daemon's main thread runs its event loop (gpuservd/daemon/loop_slice.py): 100 us by default."""
-    assert thread_slice_ns(daemon.proc.pid) == 100_000

@@ -38,7 +38,6 @@ from gpuservd.errors import UserError
 from gpuservd.events import EventBus
 from gpuservd.events.types import Reload
 from gpuservd.serving.routing import VersionRouter
-from gpuservd.daemon.loop_slice import shorten_slice, slice_us
 from gpuservd.daemon.sdnotify import Notifier, listen_fds, watchdog_interval_s
 from gpuservd.paths import make_private_dir, user_socket
 from gpuservd.runner import cpu_isa
@@ -229,9 +228,6 @@ class Daemon:
         # Only engine threads own OpenMP teams (runner/omp.py): this thread and the executor's threads
         # (the host-tier copy after a load, INT8 checks) run their tensor ops serially.
         use_threads(1)
-        # this thread runs the event loop: a short time slice gets it a core as soon as it wakes
-        if shorten_slice():
-            log.debug("event loop thread: a %d us scheduler slice", slice_us())
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(thread_name_prefix="gpuservd-io", initializer=use_threads, initargs=(1,)))
 
@@ -444,7 +440,6 @@ def run_daemon(config: Path | None = None, socket_path: str | None = None, tcp: 
     """Build and run the daemon in this process; returns its exit code (raises UserError on bad config)."""
     cpu_isa.apply()  # before the first tensor op: the libraries read their ISA variables on first use
     worker_priority()  # a bad GPUSERV_OMP_WORKER_PRIORITY stops the start, not each engine thread later
-    slice_us()  # likewise a bad GPUSERV_LOOP_SLICE_US
     raise_fd_limit()
     daemon = Daemon(config, socket_path, tcp, models, log_level, demo)
     setup_logging(daemon.cfg.server.log_level)
