@@ -87,7 +87,8 @@ def build_app(serving, metrics, controller, tcp_token: str | None = None, admin_
     app.state.metrics = metrics
     # its max age is read from the config at each scrape (a reload applies)
     app.state.scrape_cache = ScrapeCache(lambda: metrics.render(), lambda: metrics.epoch, 0.0)
-    metrics.on_epoch = app.state.scrape_cache.stale
+    if metrics is not None:  # (some tests build the app without metrics)
+        metrics.on_epoch = app.state.scrape_cache.stale
     app.state.tcp_token = tcp_token
     app.state.admin_token = admin_token
     app.add_middleware(BodyLimit, state=app.state)
