@@ -50,7 +50,7 @@ CACHE_BYTES_MAX = 1 << 30  # per case, over all its layers
 
 
 def kernel_at_revision(rev: str, source: str, namespace: str):
-    """The kernel file `source` (with simd.h) as of git revision `rev`, built with the runner's flags under
+    """The kernel file `source` (with the headers beside it) as of git revision `rev`, built with the runner's flags under
     the op namespace `namespace` (so it loads beside today's kernels); returns torch.ops.<namespace>."""
     from torch.utils.cpp_extension import load  # only here: the bench's other cases need no compiler
 
@@ -60,7 +60,9 @@ def kernel_at_revision(rev: str, source: str, namespace: str):
                          text=True).stdout.strip()
     build = Path(os.environ.get("TMPDIR", "/tmp")) / f"{namespace}_{sha}"
     build.mkdir(parents=True, exist_ok=True)
-    for name in (source, "simd.h"):
+    listed = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{sha}:{rel}"], check=True,
+                            capture_output=True, text=True).stdout.split()
+    for name in [source] + [n for n in listed if n.endswith(".h")]:  # the headers it may include
         text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{rel}/{name}"], check=True,
                               capture_output=True, text=True).stdout
         for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
