@@ -77,3 +77,19 @@ def test_all_kernel_rows_need_no_k_and_v(kernel):  # noqa: F811
     got = attention.paged_attention(q, None, None, k_cache, v_cache, batch, 0.125, store_kv=False)
     want = attention.paged_attention(q, k, k, k_cache, v_cache, batch, 0.125, store_kv=False)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [
+    dict(heads=4, kv_heads=2, head_dim=16, block_size=16),  # the tiny test models: GQA 2, 16-float V slices
+    dict(heads=10, kv_heads=2, head_dim=24, block_size=3),  # GQA 5 (head blocks of 3 + 2), 8-float slices
+    dict(heads=14, kv_heads=2, head_dim=40, block_size=48),  # GQA 7 (3 + 3 + 1), a step inside one block
+    dict(heads=3, kv_heads=3, head_dim=8, block_size=5),  # one 8-float vector a head
+])
+def test_fp32_steps_across_blocks_and_head_blocks(kernel, threads, shape):  # noqa: F811
+    """The fp32 item copies each 32-token step's rows from however many blocks it spans (blocks of 3, 5, 16
+    or 48 tokens) and computes query heads in register blocks of up to 3: lengths around a step, a block and a
+    partition agree with the torch path for group sizes 1 to 7 and head dims 8 to 40."""
+    q, k_cache, v_cache, batch = _case(lens=[1, 3, 4, 31, 32, 33, 47, 65, 97, 257, 300], **shape,
+                                       dtype=torch.float32, seed=21)
+    assert_kernel_matches_torch(kernel, threads, q, k_cache, v_cache, batch)
