@@ -15,7 +15,8 @@
 `--baseline REV` adds a third column to the attention cases: paged_decode as it
 was at git revision REV (its paged_attention.cpp built beside the current one
 under another op namespace), alternated with the current kernel in the same
-process, for a before/after of a kernel change.
+process, for a before/after of a kernel change. `--attention-cases 8x480,48x64` runs only those batch x
+context cases (a batch's lengths spread over the last 13 tokens).
 
 Run under `nice -n 19`; the machine may be shared, so only same-process
 ratios mean much. Writes result.json and result.md to --out.
@@ -212,7 +213,8 @@ def bench_command_line(doc: str, reps: int, render, extra=None) -> argparse.Name
 
 
 def main():
-    args = bench_command_line(__doc__, 20, render_md)
+    args = bench_command_line(__doc__, 20, render_md, extra=lambda ap: ap.add_argument(
+        "--attention-cases", metavar="BxCTX,...", help="only these attention cases (e.g. 8x480,48x64), 2 and 1 threads"))
     if args is None:
         return
     torch.set_num_threads(2)
@@ -222,7 +224,13 @@ def main():
     attn = []
     ctxs = [128, 512, 2048] if args.quick else [50, 128, 300, 512, 600, 1024, 2048, 4096]
     mixed = [64, 100, 200, 333, 512, 900, 1500, 2048]  # one batch of very different lengths
+    only = [tuple(int(x) for x in c.split("x")) for c in args.attention_cases.split(",")] if args.attention_cases else None
     for threads in (2, 1):
+        if only:
+            for batch, ctx in only:  # lengths ctx - 12 .. ctx, as a batch's sequences differ
+                attn.append(attention_case(batch, [ctx - (i * 7) % 13 for i in range(batch)], args.reps, threads, base=base))
+                print(json.dumps(attn[-1]), flush=True)
+            continue
         for batch in (1, 8, 32):
             for ctx in ctxs:
                 if batch * ctx > 32 * 2048:
