@@ -31,6 +31,8 @@ for a core (its schedstat run delay over the scrape: the daemon's pid comes from
 its CPU, the render's CPU (the response's Server-Timing header) and the rest, when the thread was asleep:
 waiting for the GIL. `rendered_ahead_share`: the scrapes the daemon answered with a body it had rendered
 ahead (its Server-Timing `age`; server.metrics_max_age_ms), with those bodies' mean and largest age.
+`slowest`: the ten slowest scrapes one by one (their index in the run, parts in ms, the body's age when it
+was rendered ahead), to tell a few scrapes that rendered from many that waited.
 """
 
 from __future__ import annotations
@@ -232,6 +234,12 @@ def _ahead(rows: list[dict]) -> dict:
             round(statistics.fmean(ages), 3), "rendered_ahead_age_max_ms": round(max(ages), 3)}
 
 
+def _slowest(rows: list[dict], n: int = 10) -> list[dict]:
+    """The n slowest scrapes, each with its parts (ms, rounded)."""
+    return [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+            for r in sorted(rows, key=lambda r: r["e2e"], reverse=True)[:n]]
+
+
 def _cpu(c) -> dict:
     return c.get("/admin/status").json().get("process") or {}
 
@@ -277,7 +285,7 @@ def main() -> int:
             status, body = scraper.get("/metrics")
             latencies.append(time.perf_counter() - t0)
             s1 = _schedstat(pid)
-            row = {"e2e": latencies[-1] * 1e3}
+            row = {"i": len(parts), "e2e": latencies[-1] * 1e3}
             timing = _server_timing(scraper.headers)
             if "render" in timing and "render-cpu" in timing:
                 row.update(render=timing["render"], render_cpu=timing["render-cpu"])
@@ -310,7 +318,7 @@ def main() -> int:
               "health_p50_ms": round(statistics.median(hs), 3), "health_p99_ms": p99(hs),
               "body_bytes": size, "series": series, "clients": args.clients,
               "tokens_per_s_meanwhile": round(received / args.seconds, 1), **idle,
-              "decomposition": _decompose(parts), **_ahead(parts)}
+              "decomposition": _decompose(parts), **_ahead(parts), "slowest": _slowest(parts)}
     if cpu_before and cpu_after and received:
         for key in ("cpu_s", "loop_cpu_s"):
             result[f"daemon_{key}_per_token"] = round((cpu_after[key] - cpu_before[key]) / received, 6)
