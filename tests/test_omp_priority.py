@@ -61,23 +61,41 @@ print(json.dumps({"nice": nice, "python": python, "engine": engine_tid[0], "main
 """
 
 
-def _run(tiny_model_dir, nice: str | None) -> dict:
+def _start(tiny_model_dir, nice: str | None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != WORKER_PRIORITY_ENV}
     env["PYTHONPATH"] = str(ROOT)
     if nice is not None:
         env[WORKER_PRIORITY_ENV] = nice
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(ROOT / "tests")], capture_output=True,
-                       text=True, timeout=600, cwd=ROOT, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(ROOT / "tests")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
     got["nice"] = {int(k): v for k, v in got["nice"].items()}
     return got
 
 
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir):
+    """The three settings' processes, started together: each is its own process with its own threads (the
+    sweep reads /proc/self/task), so they do not see each other, and most of each one's time is its imports."""
+    procs = {nice: _start(tiny_model_dir, nice) for nice in ("7", "0", None)}
+    try:
+        yield {nice: _result(proc) for nice, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
-def test_the_pools_workers_are_lowered_and_the_python_threads_are_not(tiny_model_dir):
-    got = _run(tiny_model_dir, "7")
+def test_the_pools_workers_are_lowered_and_the_python_threads_are_not(runs):
+    got = runs["7"]
     workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
     assert workers, got  # the engine's team made at least one worker thread
     assert set(workers.values()) == {7}, got
@@ -87,16 +105,16 @@ def test_the_pools_workers_are_lowered_and_the_python_threads_are_not(tiny_model
 
 @pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
-def test_nice_zero_leaves_every_thread_as_it_was(tiny_model_dir):
-    got = _run(tiny_model_dir, "0")
+def test_nice_zero_leaves_every_thread_as_it_was(runs):
+    got = runs["0"]
     assert len(got["nice"]) > len(got["python"]) and set(got["nice"].values()) == {0}, got
 
 
 @pytest.mark.skipif(DEFAULT_THREADS < 2, reason="one CPU: the engine's team has no worker threads")
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the test process already runs niced")
-def test_by_default_the_workers_run_under_sched_idle(tiny_model_dir):
-    got = _run(tiny_model_dir, None)
+def test_by_default_the_workers_run_under_sched_idle(runs):
+    got = runs[None]
     workers = {t: n for t, n in got["nice"].items() if t not in got["python"]}
     assert workers and set(workers.values()) == {"idle"}, got
     assert got["nice"][got["engine"]] == 0 and got["nice"][got["main"]] == 0, got
