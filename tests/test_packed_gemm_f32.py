@@ -176,13 +176,23 @@ def test_packing_does_not_leave_a_second_copy_resident(ops, smollm2_dir):
     import subprocess
     import sys
 
-    def extra(mode):
-        out = subprocess.run([sys.executable, "-c", _LOAD_RSS, str(smollm2_dir), mode], capture_output=True,
-                             text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
-        assert out.returncode == 0, out.stderr
-        return int(out.stdout.split()[-1])
+    # Both loads at once, one thread each: each process reads only its own RssAnon.
+    procs = {mode: subprocess.Popen([sys.executable, "-c", _LOAD_RSS, str(smollm2_dir), mode],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=os.environ | {"OMP_NUM_THREADS": "1"}) for mode in ("keep", "return")}
 
-    kept, returned = extra("keep"), extra("return")
+    def extra(mode):
+        out, err = procs[mode].communicate(timeout=300)
+        assert procs[mode].returncode == 0, err
+        return int(out.split()[-1])
+
+    try:
+        kept, returned = extra("keep"), extra("return")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert kept - returned > 64 << 20  # what glibc kept of the dense copies (~140 MB here)
     assert returned < 250 << 20  # above the 540 MB of weights: the runtime's own memory only
 
