@@ -19,9 +19,10 @@
 // nearly equal height (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2), so no block
 // runs with too few independent accumulators to cover the FMA latency.
 //
-// Work split: each thread takes a contiguous range of panels (at::parallel_for),
-// so it streams its share of W from DRAM as one sequential run, and prefetches
-// the next lines of it into L2 while it computes on the current ones. Except at
+// Work split: each thread owns a contiguous run of panels (dealt in chunks; a thread done early
+// takes chunks from the back of another's run, see Claims), so it streams its share of W from DRAM
+// as one sequential run, and prefetches the next lines of it into L2 while it computes on the
+// current ones. Except at
 // one row: its tile needs only 2 FMAs a 64-byte line, far below what the core
 // can do, so the hardware prefetcher alone keeps the one sequential stream at
 // the read rate, and the software prefetches only took load slots and miss
@@ -50,6 +51,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -108,10 +110,16 @@ inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, co
 }
 
 // MR rows of x (row stride ldx, from column k0) against one panel slice w [kc][16].
-// pf: pf_lines 64-byte lines to prefetch into L2, one per k step from the first.
+// The prefetches a tile issues while it runs: count consecutive 64-byte lines from at, one a k step
+// from the first (into L2).
+struct Pf {
+  const char* at;
+  int64_t count;
+};
+
 template <int MR, typename T>
 inline void micro(const float* __restrict x, int64_t ldx, const T* __restrict w, int64_t kc, const Out& o,
-                  const char* pf, int64_t pf_lines) {
+                  Pf pf) {
   __m256 a0[MR], a1[MR];
   const __m256i m0 = lane_mask(o.ncols), m1 = lane_mask(o.ncols - 8);
   const bool full = o.ncols == kPanel;
@@ -128,11 +136,12 @@ inline void micro(const float* __restrict x, int64_t ldx, const T* __restrict w,
       a1[m] = _mm256_maskload_ps(o.y + m * o.ldy + 8, m1);
     }
   }
-  const int64_t npf = std::min(pf_lines, kc);
   int64_t k = 0;
-  for (; k < npf; ++k) {
-    _mm_prefetch(pf + k * 64, _MM_HINT_T1);
+  for (; pf.count > 0 && k < kc; --pf.count) {
+    _mm_prefetch(pf.at, _MM_HINT_T1);
+    pf.at += 64;
     rank1<MR>(x + k, ldx, w + k * kPanel, a0, a1);
+    ++k;
   }
   for (; k < kc; ++k) {
     rank1<MR>(x + k, ldx, w + k * kPanel, a0, a1);
@@ -177,26 +186,24 @@ inline void micro_scalar(int mr, const float* x, int64_t ldx, const T* w, int64_
 }
 
 template <typename T>
-void tile(int mr, const float* x, int64_t ldx, const T* w, int64_t kc, const Out& o, const char* pf,
-          int64_t pf_lines) {
+void tile(int mr, const float* x, int64_t ldx, const T* w, int64_t kc, const Out& o, Pf pf) {
 #if GPUSERV_AVX2
   switch (mr) {
-    case 1: micro<1>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 2: micro<2>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 3: micro<3>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 4: micro<4>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 5: micro<5>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 6: micro<6>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 7: micro<7>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 8: micro<8>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 9: micro<9>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 10: micro<10>(x, ldx, w, kc, o, pf, pf_lines); break;
-    case 11: micro<11>(x, ldx, w, kc, o, pf, pf_lines); break;
-    default: micro<kMrCap>(x, ldx, w, kc, o, pf, pf_lines); break;
+    case 1: micro<1>(x, ldx, w, kc, o, pf); break;
+    case 2: micro<2>(x, ldx, w, kc, o, pf); break;
+    case 3: micro<3>(x, ldx, w, kc, o, pf); break;
+    case 4: micro<4>(x, ldx, w, kc, o, pf); break;
+    case 5: micro<5>(x, ldx, w, kc, o, pf); break;
+    case 6: micro<6>(x, ldx, w, kc, o, pf); break;
+    case 7: micro<7>(x, ldx, w, kc, o, pf); break;
+    case 8: micro<8>(x, ldx, w, kc, o, pf); break;
+    case 9: micro<9>(x, ldx, w, kc, o, pf); break;
+    case 10: micro<10>(x, ldx, w, kc, o, pf); break;
+    case 11: micro<11>(x, ldx, w, kc, o, pf); break;
+    default: micro<kMrCap>(x, ldx, w, kc, o, pf); break;
   }
 #else
   (void)pf;
-  (void)pf_lines;
   micro_scalar(mr, x, ldx, w, kc, o);
 #endif
 }
@@ -219,11 +226,10 @@ struct Call {
 
 // Panels [p0, p1) against all rows of x. Panel by panel, and within a panel K block by K block,
 // so W is read front to back (one sequential stream per thread) and each K block's slice is
-// prefetched while the one before it is computed.
+// prefetched while the one before it is computed (never past w_end).
 template <typename T>
-void panels(const Call<T>& c, int64_t p0, int64_t p1) {
+void panels(const Call<T>& c, int64_t p0, int64_t p1, const char* w_end) {
   constexpr int64_t kStepBytes = kPanel * sizeof(T);  // one k step of a panel: 64 B fp32, 32 B bf16
-  const char* w_end = reinterpret_cast<const char*>(c.w + p1 * c.K * kPanel);
   for (int64_t mc0 = 0; mc0 < c.M; mc0 += kMc) {
     const int64_t rows = std::min(kMc, c.M - mc0);
     const int64_t nb = (rows + c.mr_max - 1) / c.mr_max;  // row blocks of nearly equal height
@@ -235,22 +241,20 @@ void panels(const Call<T>& c, int64_t p0, int64_t p1) {
       for (int64_t k0 = 0; k0 < c.K; k0 += kc_step) {
         const int64_t kc = std::min(kc_step, c.K - k0);
         const T* wp = c.w + (p * c.K + k0) * kPanel;
+        const char* next = reinterpret_cast<const char*>(wp + kc * kPanel);
         // The lines of W that the next kc k steps will read (on every chunk: past the first, a W
         // larger than the caches comes from DRAM again), shared out over the row blocks.
-        const char* next = reinterpret_cast<const char*>(wp + kc * kPanel);
-        int64_t pf_left = rows == 1 ? 0 : std::min<int64_t>((kc * kStepBytes + 63) / 64, (w_end - next) / 64);
-        const char* pf = pf_left > 0 ? next : nullptr;
-        const int64_t share = (std::max<int64_t>(pf_left, 0) + nb - 1) / nb;
+        const int64_t lines = rows == 1 ? 0
+            : std::max<int64_t>(0, std::min<int64_t>((kc * kStepBytes + 63) / 64, (w_end - next) / 64));
         o.first = k0 == 0;
         o.last = k0 + kc == c.K;
         int64_t m = mc0;
+        const int64_t share = (lines + nb - 1) / nb;
         for (int64_t b = 0; b < nb; ++b) {
           const int mr = static_cast<int>(base + (b < extra ? 1 : 0));
           o.y = c.y + m * c.N + p * kPanel;
-          const int64_t lines = pf ? std::min(share, pf_left) : 0;
-          tile(mr, c.x + m * c.ldx + k0, c.ldx, wp, kc, o, pf, lines);
-          if (pf) pf += lines * 64;
-          pf_left -= lines;
+          const Pf pf{next + b * share * 64, std::max<int64_t>(0, std::min(share, lines - b * share))};
+          tile(mr, c.x + m * c.ldx + k0, c.ldx, wp, kc, o, pf);
           m += mr;
         }
       }
@@ -258,13 +262,82 @@ void panels(const Call<T>& c, int64_t p0, int64_t p1) {
   }
 }
 
+// The work split: each thread owns a contiguous run of panel chunks and takes them front to back
+// (one sequential stream of W per thread); a thread whose run is done takes chunks from the back of
+// the run with the most left, as long as that run has more than the chunk its owner takes next
+// (which the owner's prefetches may already have brought in). So a thread that gets its core late
+// (the daemon's pool workers run at idle priority beside the event loop; a shared machine; a
+// hypervisor's steal) costs the call about a chunk's time, not its whole share. Each run is
+// lo | hi << 32 (chunk indices) in a cache line of its own, claimed by compare-and-swap.
+class Claims {
+ public:
+  static constexpr int kMaxThreads = 64;
+
+  Claims(int64_t chunks, int threads) : n_(threads) {
+    for (int t = 0; t < n_; ++t)
+      runs_[t].v.store(static_cast<uint64_t>(chunks * t / n_) | static_cast<uint64_t>(chunks * (t + 1) / n_) << 32,
+                       std::memory_order_relaxed);
+  }
+  // The end of thread t's own run as it was dealt (chunk index).
+  int64_t run_end(int t, int64_t chunks) const { return chunks * (t + 1) / n_; }
+  // The next chunk for thread t, or -1 when none is left anywhere.
+  int64_t next(int t) {
+    if (const int64_t c = take(t, true); c >= 0) return c;
+    for (;;) {
+      int victim = -1;
+      uint64_t most = 0;
+      for (int v = 0; v < n_; ++v) {
+        const uint64_t r = runs_[v].v.load(std::memory_order_relaxed), lo = r & 0xFFFFFFFFu, hi = r >> 32;
+        if (hi > lo + 1 && hi - lo > most) most = hi - lo, victim = v;
+      }
+      if (victim < 0) return -1;
+      if (const int64_t c = take(victim, false); c >= 0) return c;
+    }
+  }
+
+ private:
+  int64_t take(int v, bool front) {
+    uint64_t r = runs_[v].v.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t lo = r & 0xFFFFFFFFu, hi = r >> 32;
+      if (lo + (front ? 0 : 1) >= hi) return -1;  // a thief leaves the owner its next chunk (prefetched)
+      const uint64_t want = front ? (lo + 1) | hi << 32 : lo | (hi - 1) << 32;
+      if (runs_[v].v.compare_exchange_weak(r, want, std::memory_order_relaxed))
+        return static_cast<int64_t>(front ? lo : hi - 1);
+    }
+  }
+  struct alignas(64) Run {
+    std::atomic<uint64_t> v;
+  };
+  Run runs_[kMaxThreads];
+  int n_;
+};
+
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   const Call<T> c{x.data_ptr<float>(), x.stride(0), M, K, static_cast<const T*>(packed.data_ptr()), P, N,
                   bias, y.data_ptr<float>(), mr_max};
   const int64_t wbytes = P * K * kPanel * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, P, wbytes < kParallelBytes ? P : 1, [&](int64_t p0, int64_t p1) { panels(c, p0, p1); });
+  const auto at_panel = [&](int64_t p) { return reinterpret_cast<const char*>(c.w + p * K * kPanel); };
+  const int threads = std::min<int>(at::get_num_threads(), Claims::kMaxThreads);
+  if (wbytes < kParallelBytes || threads == 1 || P == 1 || at::in_parallel_region()) {
+    panels(c, 0, P, at_panel(P));
+    return;
+  }
+  // About 16 chunks a thread (the last one a late thread leaves is short), of 1-16 panels.
+  const int64_t chunk = std::clamp<int64_t>(P / (16 * threads), 1, 16), chunks = (P + chunk - 1) / chunk;
+  Claims claims(chunks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t own_end = std::min(P, claims.run_end(static_cast<int>(t), chunks) * chunk);
+      for (int64_t ch; (ch = claims.next(static_cast<int>(t))) >= 0;) {
+        const int64_t p0 = ch * chunk, p1 = std::min(P, p0 + chunk);
+        // In its own run a thread's prefetches run on into its next chunk; a taken one stands alone.
+        panels(c, p0, p1, at_panel(p1 <= own_end ? own_end : p1));
+      }
+    }
+  });
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in column panels [ceil(N/16), K, 16], fp32 or
