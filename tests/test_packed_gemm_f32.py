@@ -207,3 +207,29 @@ def test_a_library_without_avx2_keeps_fp32_dense(monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "get", lambda: NoAvx2())
     assert not packed_enabled(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("out_f", [16 * 17 + 5, 16 * 40, 3])
+def test_every_panel_once_for_any_team_size(ops, threads, out_f):
+    """Weights over the 256 KB threshold go to the thread team in chunks of panels, and a thread done
+    early takes chunks from the back of another's run: with more threads than cores (8 on a 2-core
+    machine, where some start late and others take their chunks), fewer panels than threads (3 outputs:
+    one panel) and a tail of 5 columns, every output is written once and right (y starts uninitialised),
+    with fp32 and bf16 panels alike."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(out_f + threads)
+        w = (torch.randn(out_f, 4100, generator=g) / 8).bfloat16().float()  # >= 256 KB from 1 panel up
+        b = torch.randn(out_f, generator=g)
+        fp32, halves = pack_panels(w), ops.pack_panels_bf16(w)
+        for rows in (1, 8, 48):
+            x = torch.randn(rows, 4100, generator=g)
+            y = ops.packed_linear_f32(x, fp32, out_f, b)
+            _check(y, x, w, b)
+            for _ in range(3):  # the split differs from call to call; each panel's sums do not
+                assert torch.equal(ops.packed_linear_f32(x, fp32, out_f, b), y)
+                assert torch.equal(ops.packed_linear_f32(x, halves, out_f, b), y)
+    finally:
+        torch.set_num_threads(old)

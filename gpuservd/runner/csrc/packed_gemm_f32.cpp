@@ -70,6 +70,7 @@ constexpr int kMrCap = 12;      // tile heights compiled (tile_rows may ask for 
 constexpr int64_t kMc = 96;     // rows of x per chunk (96 x 256 x 4 B of x = 96 KB stay in L2)
 constexpr int64_t kKc = 256;    // input positions per K block (256 x 64 B = 16 KB of a panel stay in L1)
 constexpr int64_t kParallelBytes = 256 << 10;  // smaller weights run on the calling thread
+constexpr int64_t kChunkBytes = 128 << 10;     // the least W a thread claims at once
 
 struct Out {
   float* y;            // the tile's first output (row m0, column 16 p)
@@ -325,8 +326,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* 
     panels(c, 0, P, at_panel(P));
     return;
   }
-  // About 16 chunks a thread (the last one a late thread leaves is short), of 1-16 panels.
-  const int64_t chunk = std::clamp<int64_t>(P / (16 * threads), 1, 16), chunks = (P + chunk - 1) / chunk;
+  // About 16 chunks a thread (the last one a late thread leaves is short), of 1-16 panels and at
+  // least 128 KB of W (each chunk costs a claim and starts its stream afresh).
+  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
+  const int64_t chunk = std::clamp<int64_t>(std::max(P / (16 * threads), (kChunkBytes + panel_bytes - 1) / panel_bytes),
+                                            1, 16);
+  const int64_t chunks = (P + chunk - 1) / chunk;
   Claims claims(chunks, threads);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
