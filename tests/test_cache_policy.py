@@ -77,3 +77,14 @@ def test_trace_hit_rates_order_and_prefetch_helps():
         assert pre["hit_rate"] > lru["hit_rate"]  # the workflows are learnable
         s = pre["prefetch_stats"]
         assert s["issued"] >= s["used"] + s["wasted"] and 0 < s["accuracy"] <= 1
+
+
+def test_the_hit_rate_window_is_checked_and_sizes_the_watch():
+    from gpuservd.weights.prefetch import HitRateWatch
+
+    with pytest.raises(UserError, match="cache.hit_rate_window must be >= 2, got 1"):
+        CacheConfig(hit_rate_window=1).validate()
+    watch = HitRateWatch(CacheConfig(hit_rate_window=4).hit_rate_window)
+    assert [watch.observe(m, False, 0.9, 1) for m in "abc"] == [None, None, None]  # not full yet
+    alert = watch.observe("a", False, 0.9, 1)
+    assert alert["window"] == 4 and alert["models_for_90pct"] == 3 and alert["suggested_cache_size"] == 3

@@ -49,7 +49,6 @@ from gpuservd.wire.status import ModelStatus
 
 log = logging.getLogger("gpuservd.serving.models")
 LOAD_RETRY_S = 10.0  # a model whose load failed is tried again on demand after this long
-HIT_WINDOW = 50  # requests the hit-rate alert looks back over
 
 EndRequests = Callable[[ModelSlot, float], Awaitable[tuple[int, int]]]
 
@@ -76,7 +75,7 @@ class Models:
         self.router = VersionRouter(config.server.versions)
         self.predictor = Predictor(min_prob=config.cache.prefetch_min_prob)
         self.prefetch_stats = PrefetchStats()
-        self.hit_rate = HitRateWatch(HIT_WINDOW)
+        self.hit_rate = HitRateWatch(config.cache.hit_rate_window)
         self.sharing = SharingManager(config, device)  # backend, plan, arbiter, quotas, readings
         self.cpu_budget = CpuBudget()  # the CPU's cores split among the engines stepping at once
 

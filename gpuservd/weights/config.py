@@ -27,6 +27,7 @@ class CacheConfig:
     load_on_demand: bool = True  # a request for a store model that is not loaded loads it
     load_timeout_s: float = 300.0  # a request waits this long for its model's load
     hit_rate_alert: float = 0.9  # below this device-tier hit rate an event suggests a bigger cache
+    hit_rate_window: int = 50  # model lookups (requests) the hit rate is taken over
     prefetch: bool = False  # warm the device tier ahead of demand from learned model-to-model transitions
     prefetch_min_prob: float = 0.2  # prefetch a model only when it follows the current one this often
 
@@ -51,6 +52,8 @@ class CacheConfig:
             raise UserError("cache.host_bytes must be >= 0 and cache.device_bytes >= 1")
         if not 0.0 <= self.hit_rate_alert <= 1.0:
             raise UserError(f"cache.hit_rate_alert must be in [0, 1], got {self.hit_rate_alert}")
+        if self.hit_rate_window < 2:
+            raise UserError(f"cache.hit_rate_window must be >= 2, got {self.hit_rate_window}")
         if self.load_timeout_s <= 0:
             raise UserError("cache.load_timeout_s must be > 0")
 
