@@ -141,8 +141,10 @@ def shape_cases(name: str, rows_list, reps: int, clock, wanted, base=None, ceili
 
 @contextmanager
 def busy(n: int):
-    """n processes spinning in a loop (none for n = 0) while the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    """n processes spinning in a loop (none for n = 0) while the block runs; each also stops when the bench
+    dies without reaching `finally` (SIGTERM, SIGKILL): its parent changes then."""
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
     try:
         yield
     finally:
