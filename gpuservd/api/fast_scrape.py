@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import h11
 
-from gpuservd.api.auth import token_matches
+from gpuservd.api.http import tcp_token_ok
 from gpuservd.api.metrics import CONTENT_TYPE
 
 REQUEST_LINE = b"GET /metrics HTTP/1.1\r\n"
@@ -71,11 +71,8 @@ class ScrapeSource:
     def allowed(self, headers: dict[bytes, bytes], via: str) -> bool:
         """The route's rule: open on the Unix socket, over TCP with server.metrics_public or a token."""
         s = self.state
-        if via != "tcp" or s.tcp_token is None or s.serving.config.server.metrics_public:
-            return True
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        given = given.strip()
-        return scheme.lower() == "bearer" and (token_matches(given, s.tcp_token) or token_matches(given, s.admin_token))
+        return s.serving.config.server.metrics_public or tcp_token_ok(
+            via, headers.get(b"authorization", b"").decode("latin-1"), s.tcp_token, s.admin_token)
 
     def response(self, request_id: bytes, default_headers) -> bytes:
         """The whole response: status line, headers (uvicorn's defaults first, as the ordinary path), body."""

@@ -49,17 +49,23 @@ def peer(request: Request) -> tuple[str, int | None, int | None]:
     return state.get("via", "unix"), (cred[1] if cred else None), (cred[0] if cred else None)
 
 
-def _check_auth(request: Request) -> None:
-    token = request.app.state.tcp_token
-    admin_token = getattr(request.app.state, "admin_token", None)
-    via, _, _ = peer(request)
-    if via != "tcp" or token is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
+def tcp_token_ok(via: str, authorization: str, tcp_token: str | None, admin_token: str | None) -> bool:
+    """The TCP token rule: open on the Unix socket (and over TCP when no token is set); otherwise
+    `Authorization: Bearer <token>` with the TCP token or the admin token. Also read by the protocol-level
+    /metrics answer (api/fast_scrape.py), so both paths apply one rule."""
+    if via != "tcp" or tcp_token is None:
+        return True
+    scheme, _, given = authorization.partition(" ")
     given = given.strip().encode()
-    ok = any(t is not None and hmac.compare_digest(given, t.encode()) for t in (token, admin_token))
-    if scheme.lower() != "bearer" or not ok:
+    return scheme.lower() == "bearer" and any(
+        t is not None and hmac.compare_digest(given, t.encode()) for t in (tcp_token, admin_token))
+
+
+def _check_auth(request: Request) -> None:
+    state = request.app.state
+    via, _, _ = peer(request)
+    if not tcp_token_ok(via, request.headers.get("authorization", ""), state.tcp_token,
+                        getattr(state, "admin_token", None)):
         raise APIError(401, "missing or wrong bearer token (TCP clients must send Authorization: Bearer <token>)",
                        "invalid_request_error", None, "invalid_api_key")
 
