@@ -79,24 +79,26 @@ def baseline_ops(rev: str):
     return kernel_at_revision(rev, "paged_attention.cpp", "gpuserv_base")
 
 
-def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: int = 0, base=None) -> dict:
+def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: int = 0, base=None,
+                   dtype: torch.dtype = torch.float32) -> dict:
     ops = cpu_kernels.get()
     torch.set_num_threads(threads)
     clock = time.perf_counter if threads > 1 else time.process_time
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // BLOCK) for n in lens]
     num_blocks = sum(need)
-    per_layer = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * 4
+    elem = torch.finfo(dtype).bits // 8
+    per_layer = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * elem
     layers = max(2, min(LAYERS_MAX, CACHE_BYTES_MAX // per_layer))
-    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
-               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g)) for _ in range(layers)]
+    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)) for _ in range(layers)]
     perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks, as after a while of serving
     chunks, at = [], 0
     for n, nb in zip(lens, need):
         chunks.append(SeqChunk([0], n - 1, perm[at: at + nb], True))
         at += nb
     fb = build_batch(chunks, BLOCK, torch.device("cpu"))
-    q = torch.randn(batch, HEADS + KV_HEADS, HEAD_DIM, generator=g)[:, :HEADS]
+    q = torch.randn(batch, HEADS + KV_HEADS, HEAD_DIM, generator=g).to(dtype)[:, :HEADS]
     scale = HEAD_DIM ** -0.5
 
     def kernel(layer):
@@ -111,7 +113,9 @@ def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: i
         k, v = caches[layer]
         return base.paged_decode(q, k, v, fb.decode_block_table, fb.decode_ctx_lens, scale)
 
-    torch.testing.assert_close(kernel(0), gather(0), atol=1e-5, rtol=1e-4)
+    # bf16 / fp16: the kernel accumulates in fp32 and rounds once, SDPA differently (test_paged_attention's bounds)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=0)
+    torch.testing.assert_close(kernel(0).float(), gather(0).float(), **tol)
     fns = [("kernel", kernel), ("gather", gather)] + ([("baseline", baseline)] if base is not None else [])
     times = {name: [] for name, _ in fns}
     with torch.inference_mode():
@@ -125,11 +129,13 @@ def attention_case(batch: int, lens: list[int], reps: int, threads: int, seed: i
                 times[name].append((clock() - t0) / layers)
     k_us = statistics.median(times["kernel"]) * 1e6
     g_us = statistics.median(times["gather"]) * 1e6
-    out = {"batch": batch, "ctx_lens": lens if len(set(lens)) > 1 else lens[0], "layers_cycled": layers,
+    out = {"batch": batch, "ctx_lens": lens if len(set(lens)) > 1 else lens[0], "dtype": str(dtype).removeprefix("torch."),
+           "layers_cycled": layers,
            "threads": threads, "clock": "wall" if threads > 1 else "process_cpu",
            "reps": reps, "kernel_us": round(k_us, 1), "gather_us": round(g_us, 1), "speedup": round(g_us / k_us, 2),
            # The floor: every K and V byte of the batch read once per call, at the rate this call achieved.
-           "kv_bytes": sum(lens) * KV_HEADS * HEAD_DIM * 2 * 4, "kernel_gb_s": round(sum(lens) * KV_HEADS * HEAD_DIM * 8 / k_us / 1e3, 2)}
+           "kv_bytes": sum(lens) * KV_HEADS * HEAD_DIM * 2 * elem,
+           "kernel_gb_s": round(sum(lens) * KV_HEADS * HEAD_DIM * 2 * elem / k_us / 1e3, 2)}
     if base is not None:
         b_us = statistics.median(times["baseline"]) * 1e6
         out.update(baseline_us=round(b_us, 1), vs_baseline=round(b_us / k_us, 2))
@@ -213,8 +219,14 @@ def bench_command_line(doc: str, reps: int, render, extra=None) -> argparse.Name
 
 
 def main():
-    args = bench_command_line(__doc__, 20, render_md, extra=lambda ap: ap.add_argument(
-        "--attention-cases", metavar="BxCTX,...", help="only these attention cases (e.g. 8x480,48x64), 2 and 1 threads"))
+    def extra(ap):
+        ap.add_argument("--attention-cases", metavar="BxCTX,...",
+                        help="only these attention cases (e.g. 8x480,48x64), 2 and 1 threads")
+        ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the attention cases' dtype (q and the cache)")
+        ap.add_argument("--threads", default="2,1", help="thread counts of the attention cases (e.g. 1)")
+
+    args = bench_command_line(__doc__, 20, render_md, extra=extra)
     if args is None:
         return
     torch.set_num_threads(2)
@@ -225,19 +237,21 @@ def main():
     ctxs = [128, 512, 2048] if args.quick else [50, 128, 300, 512, 600, 1024, 2048, 4096]
     mixed = [64, 100, 200, 333, 512, 900, 1500, 2048]  # one batch of very different lengths
     only = [tuple(int(x) for x in c.split("x")) for c in args.attention_cases.split(",")] if args.attention_cases else None
-    for threads in (2, 1):
+    dtype = getattr(torch, args.dtype)
+    for threads in (int(t) for t in args.threads.split(",")):
         if only:
             for batch, ctx in only:  # lengths ctx - 12 .. ctx, as a batch's sequences differ
-                attn.append(attention_case(batch, [ctx - (i * 7) % 13 for i in range(batch)], args.reps, threads, base=base))
+                attn.append(attention_case(batch, [ctx - (i * 7) % 13 for i in range(batch)], args.reps, threads,
+                                           base=base, dtype=dtype))
                 print(json.dumps(attn[-1]), flush=True)
             continue
         for batch in (1, 8, 32):
             for ctx in ctxs:
                 if batch * ctx > 32 * 2048:
                     continue
-                attn.append(attention_case(batch, [ctx] * batch, args.reps, threads, base=base))
+                attn.append(attention_case(batch, [ctx] * batch, args.reps, threads, base=base, dtype=dtype))
                 print(json.dumps(attn[-1]), flush=True)
-        attn.append(attention_case(len(mixed), mixed, args.reps, threads, base=base))
+        attn.append(attention_case(len(mixed), mixed, args.reps, threads, base=base, dtype=dtype))
         print(json.dumps(attn[-1]), flush=True)
     torch.set_num_threads(2)
 
@@ -259,7 +273,7 @@ def main():
         "baseline": args.baseline,
         "kernel_build": status,
         "attention": {"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
-                                "dtype": "float32"}, "per_layer_call": attn},
+                                "dtype": args.dtype}, "per_layer_call": attn},
         "decode_step": {"model": args.model, "dtype": "float32", "cases": steps},
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +296,7 @@ def render_md(result: dict) -> str:
     md = ["# C++ CPU kernels vs torch paths (same process, alternating, medians)", "",
           f"{result['when']}, {result['machine']}, torch {result['torch']}. Kernels: {build}.", "",
           NOTES, "", *[f"- {n}" for n in result.get("notes", [])], *([""] if result.get("notes") else []),
-          "## Decode attention, one layer call (SmolLM2 shape, fp32)", "",
+          f"## Decode attention, one layer call (SmolLM2 shape, {result['attention']['shape']['dtype']})", "",
           "Per call, averaged over the layers cycled; wall = 2 threads, wall clock; cpu = 1 thread, process CPU time.", "",
           "| threads / clock | batch | context | kernel us | KV GB/s | gather + SDPA us | speedup | "
           f"kernel at {result.get('baseline') or '-'} us | new / old |", "|---|---|---|---|---|---|---|---|---|"]

@@ -93,3 +93,28 @@ def test_fp32_steps_across_blocks_and_head_blocks(kernel, threads, shape):  # no
     q, k_cache, v_cache, batch = _case(lens=[1, 3, 4, 31, 32, 33, 47, 65, 97, 257, 300], **shape,
                                        dtype=torch.float32, seed=21)
     assert_kernel_matches_torch(kernel, threads, q, k_cache, v_cache, batch)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [
+    dict(heads=9, kv_heads=3, head_dim=64, block_size=16),  # SmolLM2 (the dot-product item on AVX512_BF16)
+    dict(heads=9, kv_heads=3, head_dim=64, block_size=64),  # runs of up to 64 tokens
+    dict(heads=8, kv_heads=1, head_dim=128, block_size=40),  # GQA 8, blocks not a power of two
+    dict(heads=4, kv_heads=2, head_dim=128, block_size=17),
+    dict(heads=5, kv_heads=5, head_dim=64, block_size=8),  # MHA, runs shorter than a 16-lane vector
+])
+def test_bf16_split_context_matches_fp32_reference(kernel, threads, shape):  # noqa: F811
+    """bf16 items (the dot-product item where the CPU has AVX512_BF16, else the two-pass AVX2 item): lengths
+    around 16 tokens, a block and a partition, on one and two threads, agree with the fp32 torch path on the
+    same bf16 values."""
+    q, k_cache, v_cache, batch = _case(lens=[1, 15, 16, 17, 31, 33, 64, 65, 100, 256, 257, 513], **shape,
+                                       dtype=torch.bfloat16, seed=31)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(q, k_cache, v_cache, batch.decode_block_table, batch.decode_ctx_lens, shape["head_dim"] ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    want = attention.decode_attention_torch(q.float(), k_cache.float(), v_cache.float(), batch,
+                                            shape["head_dim"] ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
