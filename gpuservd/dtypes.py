@@ -14,10 +14,14 @@ No torch here: the CLI reads the config, and the CPU's flags come from
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 BF16_FLAG = "avx512_bf16"
+# runner/cpu_isa.py validates this variable and holds the libraries to it; here it only matters that `avx2`
+# makes the choice an AVX2-only CPU would make, since the AVX-512 kernels are then not built.
+ISA_ENV = "GPUSERV_CPU_ISA"
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
@@ -37,8 +41,12 @@ def choose_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
     if device.startswith("cuda"):
         return "bfloat16", f"{device}: GPUs compute in bf16 (tensor cores) and it halves the bytes a step reads"
     flags = cpu_flags() if flags is None else flags
+    capped = os.environ.get(ISA_ENV, "").strip().lower() == "avx2"
+    if capped:
+        flags = {f for f in flags if not f.startswith("avx512")}
     if BF16_FLAG in flags:
         return "bfloat16", "the CPU has AVX512_BF16: bf16 math is native and halves the bytes a step reads"
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return "float32", (f"the CPU has no AVX512_BF16 ({simd} only): bf16 would be converted to fp32 on every "
-                       "multiply, slower than fp32")
+    held = f" ({ISA_ENV}=avx2)" if capped else ""
+    return "float32", (f"the CPU has no AVX512_BF16 ({simd} only{held}): bf16 would be converted to fp32 on "
+                       "every multiply, slower than fp32")

@@ -58,3 +58,13 @@ def test_the_reason_is_not_a_config_key():
         config_from_dict({"engine": {"dtype_reason": "because"}})
     with pytest.raises(UserError, match="engine.dtype must be auto, float32"):
         config_from_dict({"engine": {"dtype": "int4"}})
+
+
+def test_an_avx2_cap_chooses_as_an_avx2_only_cpu(monkeypatch):
+    # GPUSERV_CPU_ISA=avx2 builds no AVX-512 kernels, so bf16 would run widened to fp32: auto picks fp32
+    monkeypatch.setenv("GPUSERV_CPU_ISA", "avx2")
+    dtype, why = choose_dtype("cpu", ZEN4)
+    assert dtype == "float32" and "AVX2 only (GPUSERV_CPU_ISA=avx2)" in why
+    assert choose_dtype("cuda:0", ZEN4)[0] == "bfloat16"  # a GPU is not held by the CPU's ISA
+    monkeypatch.setenv("GPUSERV_CPU_ISA", "native")
+    assert choose_dtype("cpu", ZEN4)[0] == "bfloat16"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 
+from gpuservd.dtypes import ISA_ENV as ENV
 from gpuservd.errors import UserError
 
-ENV = "GPUSERV_CPU_ISA"
 CHOICES = ("native", "avx2")
 
 _LIBRARY_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
