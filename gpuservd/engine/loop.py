@@ -277,8 +277,8 @@ class EngineLoop:
             return
         engine.telemetry.subscribe(self._records.append)
         engine.interrupt = self._urgent_waiting
-        # A CPU engine's OpenMP workers yield to the event loop (runner/omp.py); a GPU process's native threads
-        # are the driver's, left as they are.
+        # A CPU engine's OpenMP workers yield to the event loop where GPUSERV_OMP_WORKER_PRIORITY asks
+        # (runner/omp.py); a GPU process's native threads are the driver's, left as they are.
         device = getattr(getattr(engine, "runner", None), "device", None)
         pool = PoolPriority() if getattr(device, "type", None) == "cpu" else None
         if self.arbiter is not None:

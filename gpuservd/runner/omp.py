@@ -39,17 +39,22 @@ def use_threads(n: int | None) -> int:
     return n
 
 
-# The OpenMP pool's worker threads run at a lower CPU priority than the daemon's Python threads
-# (GPUSERV_OMP_WORKER_PRIORITY: a nice value 0-19, 0 leaving them as they are, or "idle" for Linux's
-# SCHED_IDLE policy). On a machine whose cores the engines' teams fill, the event loop's thread wakes (a
-# scrape, a new request, a token to write) to find every core held by a team thread of the same priority,
-# and waits for one to end its time slice. A lowered worker is preempted on the loop's wake-up instead; a
+# GPUSERV_OMP_WORKER_PRIORITY can run the OpenMP pool's worker threads at a lower CPU priority than the
+# daemon's Python threads: a nice value 1-19, or "idle" for Linux's SCHED_IDLE policy (0, the default, leaves
+# them as they are). Lowered, a worker is preempted when the event loop's thread wakes on a machine whose
+# cores the engines' teams fill, instead of the loop waiting for a team thread's time slice to end; a
 # SCHED_IDLE one also leaves its core counted as idle when the kernel picks a core for the waking thread.
-# Only the pool's workers are lowered: the engine's own thread runs Python and holds the GIL between ops,
-# and a lowered GIL holder would keep the event loop waiting longer still.
+# Only the pool's workers are lowered: the engine's own thread runs Python and holds the GIL between ops.
+# It is off by default because a lowered worker starves as soon as anything else wants the cores: the
+# process's share drops under one core per team thread, the engine thread (normal priority) spins at every
+# op's barrier for a worker that gets almost none of that share, and each op waits for it. One engine
+# decoding 48 rows, the policy alternated every 8 steps on a loaded 2-core machine: 1.47 s a step with
+# the workers at normal priority, 14.2 s with them under SCHED_IDLE (8 rows: 0.46 s against 6.7 s). The
+# in-process engine never lowers its pool, so the daemon then fell to a few percent of its throughput.
+# Set it only where the engines have the cores to themselves.
 WORKER_PRIORITY_ENV = "GPUSERV_OMP_WORKER_PRIORITY"
 IDLE = "idle"
-DEFAULT_WORKER_PRIORITY = IDLE
+DEFAULT_WORKER_PRIORITY = 0
 
 
 def worker_priority() -> int | str:
