@@ -127,21 +127,25 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(ops, n):
     assert ops.argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 12])  # SmolLM2's head dim (8-lane loop), and one the scalar loop takes
-def test_rope_store_kv_fp32_is_apply_rope_bit_for_bit(ops, dim):
-    """fp32 rope in the kernel rounds exactly as apply_rope (x * cos + rotated * sin, no FMA), so the
-    model's logits stay bit-identical to transformers' rope."""
+def test_rope_store_kv_is_apply_rope_bit_for_bit(ops, dim, dtype):
+    """Rope in the kernel rounds exactly as apply_rope (x * cos + rotated * sin, no FMA; in bf16 each
+    product rounded, then the sum), so the model's logits stay bit-identical to transformers' rope."""
     heads, kv_heads, tokens = 9, 3, 5
     g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    qkv[0, 0, :3] = torch.tensor([0.0, -0.0, float("inf")])  # signed zeros and an infinity, bit for bit too
     angles = torch.rand(tokens, dim // 2, generator=g) * 500
     emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
-    k_cache = torch.zeros(2, 4, kv_heads, dim)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    k_cache = torch.zeros(2, 4, kv_heads, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     got = qkv.clone()
     ops.rope_store_kv(got, cos, sin, k_cache, v_cache, torch.arange(tokens), heads, kv_heads)
-    assert torch.equal(got[:, : heads + kv_heads], apply_rope(qkv[:, : heads + kv_heads], cos, sin))
+    want = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # -0.0 and 0.0 differ here
+    assert torch.equal(got[:, : heads + kv_heads].contiguous().view(bits), want.contiguous().view(bits))
     assert torch.equal(k_cache.view(-1, kv_heads, dim)[:tokens], got[:, heads : heads + kv_heads])
 
 

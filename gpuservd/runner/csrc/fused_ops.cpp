@@ -40,22 +40,23 @@ inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 constexpr int64_t kGrainElems = 1 << 14;
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
 
+// One row: y = RMSNorm(x) * w.
 template <typename T>
-void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps) {
-  at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * D;
-      T* yr = y + r * D;
-      float ss = 0.f;
-      for (int64_t c = 0; c < D; ++c) {
-        const float v = static_cast<float>(xr[c]);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-      for (int64_t c = 0; c < D; ++c)
-        yr[c] = static_cast<T>(static_cast<float>(w[c]) * rnd<T>(static_cast<float>(xr[c]) * inv));
-    }
-  });
+void rms_row(const T* xr, const T* w, T* yr, int64_t D, double eps) {
+  float ss = 0.f;
+  for (int64_t c = 0; c < D; ++c) {
+    const float v = static_cast<float>(xr[c]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+  for (int64_t c = 0; c < D; ++c)
+    yr[c] = static_cast<T>(static_cast<float>(w[c]) * rnd<T>(static_cast<float>(xr[c]) * inv));
+}
+
+// One row of the residual add: h += d, rounded to T element by element (as torch's add).
+template <typename T>
+void add_row(T* h, const T* d, int64_t D) {
+  for (int64_t c = 0; c < D; ++c) h[c] = static_cast<T>(static_cast<float>(h[c]) + static_cast<float>(d[c]));
 }
 
 #if GPUSERV_AVX2
@@ -63,64 +64,71 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps)
 // adds (~3 cycles an element: ~12 us of CPU for an 8 x 576 decode batch, twice a layer); this is ~10x less.
 // The sum of squares is added in another order than the scalar loop's; the products are the same.
 template <>
-void rms_rows<float>(const float* x, const float* w, float* y, int64_t rows, int64_t D, double eps) {
+void rms_row<float>(const float* xr, const float* w, float* yr, int64_t D, double eps) {
   using namespace gpuserv_simd;
-  at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = x + r * D;
-      float* yr = y + r * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t c = 0;
-      for (; c + 32 <= D; c += 32) {
-        const __m256 v0 = _mm256_loadu_ps(xr + c), v1 = _mm256_loadu_ps(xr + c + 8);
-        const __m256 v2 = _mm256_loadu_ps(xr + c + 16), v3 = _mm256_loadu_ps(xr + c + 24);
-        a0 = _mm256_fmadd_ps(v0, v0, a0), a1 = _mm256_fmadd_ps(v1, v1, a1);
-        a2 = _mm256_fmadd_ps(v2, v2, a2), a3 = _mm256_fmadd_ps(v3, v3, a3);
-      }
-      for (; c + 8 <= D; c += 8) {
-        const __m256 v = _mm256_loadu_ps(xr + c);
-        a0 = _mm256_fmadd_ps(v, v, a0);
-      }
-      float ss = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-      for (; c < D; ++c) ss += xr[c] * xr[c];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (c = 0; c + 8 <= D; c += 8)
-        _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
-      for (; c < D; ++c) yr[c] = w[c] * (xr[c] * inv);
-    }
-  });
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) {
+    const __m256 v0 = _mm256_loadu_ps(xr + c), v1 = _mm256_loadu_ps(xr + c + 8);
+    const __m256 v2 = _mm256_loadu_ps(xr + c + 16), v3 = _mm256_loadu_ps(xr + c + 24);
+    a0 = _mm256_fmadd_ps(v0, v0, a0), a1 = _mm256_fmadd_ps(v1, v1, a1);
+    a2 = _mm256_fmadd_ps(v2, v2, a2), a3 = _mm256_fmadd_ps(v3, v3, a3);
+  }
+  for (; c + 8 <= D; c += 8) {
+    const __m256 v = _mm256_loadu_ps(xr + c);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  float ss = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; c < D; ++c) ss += xr[c] * xr[c];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (c = 0; c + 8 <= D; c += 8)
+    _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+  for (; c < D; ++c) yr[c] = w[c] * (xr[c] * inv);
 }
 
 // bf16 rows, 8 lanes at a time (the scalar loops above cost ~1 ms of a 32-sequence bf16 decode step);
 // the sum of squares is added in another order than the scalar loop's, the roundings are the same.
 template <>
-void rms_rows<at::BFloat16>(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t D,
-                            double eps) {
+void rms_row<at::BFloat16>(const at::BFloat16* xr, const at::BFloat16* w, at::BFloat16* yr, int64_t D, double eps) {
   using namespace gpuserv_simd;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= D; c += 8) {
+    const __m256 v = load8(xr + c);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (int64_t k = c; k < D; ++k) ss += static_cast<float>(xr[k]) * static_cast<float>(xr[k]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (c = 0; c + 8 <= D; c += 8)
+    store8(yr + c, _mm256_mul_ps(load8(w + c), round_bf16(_mm256_mul_ps(load8(xr + c), vinv))));
+  for (; c < D; ++c)
+    yr[c] = static_cast<at::BFloat16>(static_cast<float>(w[c]) * rnd<at::BFloat16>(static_cast<float>(xr[c]) * inv));
+}
+
+#endif
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps) {
+  at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row<T>(x + r * D, w, y + r * D, D, eps);
+  });
+}
+
+// h += d, then y = RMSNorm(h) * w, row by row: each row's add and norm in one pass while the row is in
+// L1, spread over the team as rms_rows (the add was a separate loop over the whole batch on the calling
+// thread before the norm's parallel rows).
+template <typename T>
+void add_rms_rows(T* h, const T* d, const T* w, T* y, int64_t rows, int64_t D, double eps) {
   at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const at::BFloat16* xr = x + r * D;
-      at::BFloat16* yr = y + r * D;
-      __m256 acc = _mm256_setzero_ps();
-      int64_t c = 0;
-      for (; c + 8 <= D; c += 8) {
-        const __m256 v = load8(xr + c);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      float ss = hsum(acc);
-      for (int64_t k = c; k < D; ++k) ss += static_cast<float>(xr[k]) * static_cast<float>(xr[k]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (c = 0; c + 8 <= D; c += 8)
-        store8(yr + c, _mm256_mul_ps(load8(w + c), round_bf16(_mm256_mul_ps(load8(xr + c), vinv))));
-      for (; c < D; ++c)
-        yr[c] = static_cast<at::BFloat16>(static_cast<float>(w[c]) *
-                                          rnd<at::BFloat16>(static_cast<float>(xr[c]) * inv));
+      add_row<T>(h + r * D, d + r * D, D);
+      rms_row<T>(h + r * D, w, y + r * D, D, eps);
     }
   });
 }
-#endif
 
 #define GPUSERV_DISPATCH(dtype, NAME, ...)                                       \
   switch (dtype) {                                                               \
@@ -152,13 +160,9 @@ at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tenso
   TORCH_CHECK(delta.sizes() == h.sizes() && delta.is_contiguous() && delta.scalar_type() == h.scalar_type(),
               "add_rms_norm_: delta must match h");
   auto y = at::empty_like(h);
-  GPUSERV_DISPATCH(h.scalar_type(), "add_rms_norm_", {
-    scalar_t* hp = h.data_ptr<scalar_t>();
-    const scalar_t* dp = delta.data_ptr<scalar_t>();
-    const int64_t n = h.numel();
-    for (int64_t i = 0; i < n; ++i) hp[i] = static_cast<scalar_t>(static_cast<float>(hp[i]) + static_cast<float>(dp[i]));
-    rms_rows<scalar_t>(hp, w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1), eps);
-  });
+  GPUSERV_DISPATCH(h.scalar_type(), "add_rms_norm_",
+                   add_rms_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                                          y.data_ptr<scalar_t>(), h.size(0), h.size(1), eps));
   return y;
 }
 
@@ -251,6 +255,26 @@ inline bool rope_head_fast<float>(float* xh, const float* ct, const float* st, i
     const __m256 lo = _mm256_sub_ps(a1, b1), hi = _mm256_add_ps(a2, b2);
     _mm256_storeu_ps(xh + c, lo);
     _mm256_storeu_ps(xh + c + half, hi);
+  }
+  return true;
+}
+
+// bf16: the scalar loop's roundings 8 lanes at a time (each product rounded to bf16, their sum rounded
+// on the store), so the result is the same bit for bit. SmolLM2's 48-row rope_store_kv took 124 us of
+// one core with the scalar loop, 25 us with this (~3 ms of CPU a 48-row bf16 decode step, ~3% of it).
+template <>
+inline bool rope_head_fast<at::BFloat16>(at::BFloat16* xh, const at::BFloat16* ct, const at::BFloat16* st,
+                                         int64_t half) {
+  using namespace gpuserv_simd;
+  if (half % 8 != 0) return false;
+  for (int64_t c = 0; c < half; c += 8) {
+    const __m256 x1 = load8(xh + c), x2 = load8(xh + c + half);
+    const __m256 a1 = round_bf16(_mm256_mul_ps(x1, load8(ct + c))), b1 = round_bf16(_mm256_mul_ps(x2, load8(st + c)));
+    const __m256 a2 = round_bf16(_mm256_mul_ps(x2, load8(ct + c + half)));
+    const __m256 b2 = round_bf16(_mm256_mul_ps(x1, load8(st + c + half)));
+    // a1 - b1: the scalar loop adds the product of the negated half, which is -b1 exactly
+    store8(xh + c, _mm256_sub_ps(a1, b1));
+    store8(xh + c + half, _mm256_add_ps(a2, b2));
   }
   return true;
 }
