@@ -6,38 +6,67 @@ temperature; after the prompts are in, STEPS decode steps are timed, the whole s
 linear layers (qkv, o_proj, gate_up, down), attention (runner.attention.paged_attention), the fused
 elementwise ops (rms_norm, add_rms_norm_, rope_store_kv, silu_mul), the final norm + LM head, the batch
 build and the engine's sampling and hand-out (_update); "glue" is the forward's time outside all of them
-(Python per layer, views, dispatch). Also the minor page faults per step (first writes into the lazily
-zeroed KV pool). The wrappers add ~1 us a call, so sections are upper bounds; take ratios, not sums.
+(Python per layer, views, dispatch). Also the minor page faults per step and per section (first writes
+into the lazily zeroed KV pool land in rope_store_kv). The wrappers add ~1-2 us a call, so sections are
+upper bounds; take ratios, not sums.
+
+Per call, each section gives its wall p50 and min and the calling thread's CPU time (p50, min). On a
+shared machine a 2-thread team waits at every barrier for a thread that is off its core, so wall times
+there measure the load; with --threads 1 the CPU time is the call's own work (cache traffic of other jobs
+still counts), and the mins say what a quiet machine would give. --isolated REPS then runs each linear
+on the last step's input outside the step, on one layer's weight back to back ("hot": in cache) and on
+the layers' weights in turn ("cold": as a step meets them), to tell cache effects from the step's own.
 
     PYTHONPATH=. .venv/bin/python scripts/profile_decode_step.py --cases 8x480,1x480,8x32,1x32 [--temperature 0.8]
+    ... --cases 48x64,8x480 --steps 20 --dtype float32 --isa avx2 [--threads 1 --isolated 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import resource
 import statistics
 import time
 
+import torch
+
 from gpuservd.config import EngineConfig
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
 from gpuservd.paths import models_root
-from gpuservd.runner import attention, llama
+from gpuservd.runner import attention, cpu_isa, llama
 from gpuservd.runner import model_runner as mr
 
 TOTALS: dict[str, float] = collections.defaultdict(float)
+CALLS: dict[str, list[float]] = collections.defaultdict(list)  # every call's seconds, per section
+# every call's CPU seconds on the calling thread: with --threads 1 the call's own work, which a shared
+# machine's other jobs do not stretch (time off the core is not counted; their cache traffic still is)
+CPU: dict[str, list[float]] = collections.defaultdict(list)
+FAULTS: dict[str, int] = collections.defaultdict(int)  # minor page faults inside each section's calls
 
 
-def timed(fn, key: str):
+def minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+INPUTS: dict[str, torch.Tensor] = {}  # the last input each linear kind saw (the isolated calls reuse it)
+
+
+def timed(fn, key: str, keep_input: bool = False):
     def wrapper(*a, **k):
-        t = time.perf_counter()
+        if keep_input:
+            INPUTS[key] = a[0]
+        f, c, t = minflt(), time.thread_time(), time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            TOTALS[key] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            FAULTS[key] += minflt() - f
+            TOTALS[key] += dt
+            CALLS[key].append(dt)
+            CPU[key].append(time.thread_time() - c)
+    wrapper.inner = fn
     return wrapper
 
 
@@ -59,7 +88,7 @@ def instrument(eng: LLMEngine) -> None:
     for i in range(model.arch.num_layers):
         lw = model.weights.layer(i)
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(lw, name, timed(getattr(lw, name), "linear:" + name))
+            setattr(lw, name, timed(getattr(lw, name), "linear:" + name, keep_input=True))
     model.logits = timed(model.logits, "final norm + lm_head")
     model.forward = timed(model.forward, "forward")
     eng._update = timed(eng._update, "engine._update (sampling, hand-out)")
@@ -75,13 +104,17 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
     for _ in range(8 + nb * prompt // 128):  # the prompts (chunked prefill) and a few decode steps
         eng.step()
     TOTALS.clear()
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    CALLS.clear()
+    CPU.clear()
+    FAULTS.clear()
+    f0, cpu0 = minflt(), time.process_time()
     ts = []
     for _ in range(steps):
         t = time.perf_counter()
         eng.step()
         ts.append(time.perf_counter() - t)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps
+    faults = (minflt() - f0) / steps
+    cpu = (time.process_time() - cpu0) / steps  # every thread's, the team's spinning included
     for rid in ids:
         if rid in eng.requests:
             eng.abort(rid)
@@ -91,9 +124,42 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
                                                           "build_batch"))
     TOTALS["glue (forward minus sections)"] = TOTALS["forward"] - inner
     print(f"== {nb} x {prompt} tokens, temperature {temperature}: step median {1e3 * statistics.median(ts):.2f} ms, "
-          f"{faults:.0f} minor faults a step")
+          f"min {1e3 * min(ts):.2f} ms, process CPU {1e3 * cpu:.1f} ms a step, {faults:.0f} minor faults a step")
+    print(f"   {'section':38s} {'ms/step':>8s} {'calls':>6s} {'p50 us':>8s} {'min us':>8s} {'cpu p50':>8s} "
+          f"{'cpu min':>8s} {'faults':>7s}  (per call; cpu: the calling thread's; faults a step)")
     for k, v in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
-        print(f"   {k:38s} {1e3 * v / steps:8.3f} ms/step")
+        c, cpu = CALLS.get(k), CPU.get(k)
+        per = (f"{len(c) / steps:6.0f} {1e6 * statistics.median(c):8.1f} {1e6 * min(c):8.1f} "
+               f"{1e6 * statistics.median(cpu):8.1f} {1e6 * min(cpu):8.1f} {FAULTS[k] / steps:7.0f}" if c else "")
+        print(f"   {k:38s} {1e3 * v / steps:8.3f} {per}")
+
+
+def isolated(eng: LLMEngine, reps: int) -> None:
+    """Each linear kind on the last step's input, outside the step: `hot` = layer 0's weight `reps` times
+    back to back (the weight stays in cache), `cold` = the layers' weights in turn, as a step meets them but
+    with nothing between the calls. Per call, p50 and min; compare with the in-step lines above."""
+    model = eng.runner.model
+    with torch.inference_mode():
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            x = INPUTS.get("linear:" + name)
+            if x is None:
+                continue
+            layers = [model.weights.layer(i) for i in range(model.arch.num_layers)]
+            fns = [getattr(lw, name).inner for lw in layers]  # the unwrapped linears
+            hot, cold = ([], []), ([], [])
+            for _ in range(reps):
+                for f in fns:
+                    c, t = time.thread_time(), time.perf_counter()
+                    f(x)
+                    cold[0].append(time.perf_counter() - t), cold[1].append(time.thread_time() - c)
+                for _ in fns:
+                    c, t = time.thread_time(), time.perf_counter()
+                    fns[0](x)
+                    hot[0].append(time.perf_counter() - t), hot[1].append(time.thread_time() - c)
+            line = " | ".join(f"{label} p50 {1e6 * statistics.median(w):8.1f} min {1e6 * min(w):8.1f} "
+                              f"cpu p50 {1e6 * statistics.median(u):8.1f} min {1e6 * min(u):8.1f}"
+                              for label, (w, u) in (("hot", hot), ("cold", cold)))
+            print(f"   isolated linear:{name:9s} rows {x.shape[0]:3d}: {line} us")
 
 
 def main() -> None:
@@ -102,14 +168,26 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto", help="engine.dtype: auto (the CPU's default), float32, bfloat16")
+    ap.add_argument("--isolated", type=int, default=0, metavar="REPS",
+                    help="then time each linear outside the step, REPS passes over the layers (see isolated())")
+    ap.add_argument("--threads", type=int, help="engine.num_threads (default: torch's, the machine's cores)")
+    ap.add_argument("--isa", choices=cpu_isa.CHOICES, help="GPUSERV_CPU_ISA for this run (avx2: the AVX2 kernels)")
     args = ap.parse_args()
-    cfg = EngineConfig(model=args.model)
+    if args.isa:
+        os.environ[cpu_isa.ENV] = args.isa
+    isa = cpu_isa.apply()  # before the first tensor op: the libraries read it then
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
     cfg.scheduler.max_num_seqs = 64
     eng = LLMEngine(args.model, models_root() / args.model, cfg)
     instrument(eng)
+    print(f"dtype {cfg.dtype}, ISA {isa}, {eng.runner.model.kernels or 'torch'} kernels, "
+          f"{torch.get_num_threads()} threads")
     for case in args.cases.split(","):
         nb, prompt = map(int, case.split("x"))
         run_case(eng, nb, prompt, args.temperature, args.steps)
+        if args.isolated:
+            isolated(eng, args.isolated)
 
 
 if __name__ == "__main__":
