@@ -6,9 +6,9 @@ temperature; after the prompts are in, STEPS decode steps are timed, the whole s
 linear layers (qkv, o_proj, gate_up, down), attention (runner.attention.paged_attention), the fused
 elementwise ops (rms_norm, add_rms_norm_, rope_store_kv, silu_mul), the final norm + LM head, the batch
 build and the engine's sampling and hand-out (_update); "glue" is the forward's time outside all of them
-(Python per layer, views, dispatch). Also the minor page faults per step and per section (first writes
-into the lazily zeroed KV pool land in rope_store_kv). The wrappers add ~1-2 us a call, so sections are
-upper bounds; take ratios, not sums.
+(Python per layer, views, dispatch). Also the minor page faults per step, and with --faults per section
+(first writes into the lazily zeroed KV pool land in rope_store_kv). The wrappers add ~1-2 us a call
+(more with --faults), so sections are upper bounds; take ratios, not sums.
 
 Per call, each section gives its wall p50 and min and the calling thread's CPU time (p50, min). On a
 shared machine a 2-thread team waits at every barrier for a thread that is off its core, so wall times
@@ -46,10 +46,15 @@ CALLS: dict[str, list[float]] = collections.defaultdict(list)  # every call's se
 # machine's other jobs do not stretch (time off the core is not counted; their cache traffic still is)
 CPU: dict[str, list[float]] = collections.defaultdict(list)
 FAULTS: dict[str, int] = collections.defaultdict(int)  # minor page faults inside each section's calls
+# Count faults per section (--faults): two getrusage calls around every call, which lengthen the step and
+# its glue (RUSAGE_SELF sums over the process's threads), so off unless asked.
+COUNT_FAULTS = False
 
 
 def minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 INPUTS: dict[str, torch.Tensor] = {}  # the last input each linear kind saw (the isolated calls reuse it)
 
 
@@ -57,15 +62,17 @@ def timed(fn, key: str, keep_input: bool = False):
     def wrapper(*a, **k):
         if keep_input:
             INPUTS[key] = a[0]
-        f, c, t = minflt(), time.thread_time(), time.perf_counter()
+        f = minflt() if COUNT_FAULTS else 0
+        c, t = time.thread_time(), time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            dt = time.perf_counter() - t
-            FAULTS[key] += minflt() - f
+            dt, dc = time.perf_counter() - t, time.thread_time() - c
             TOTALS[key] += dt
             CALLS[key].append(dt)
-            CPU[key].append(time.thread_time() - c)
+            CPU[key].append(dc)
+            if COUNT_FAULTS:
+                FAULTS[key] += minflt() - f
     wrapper.inner = fn
     return wrapper
 
@@ -123,14 +130,17 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
     inner = sum(v for k, v in TOTALS.items() if k not in ("forward", "engine._update (sampling, hand-out)",
                                                           "build_batch"))
     TOTALS["glue (forward minus sections)"] = TOTALS["forward"] - inner
+    outer = ("forward", "engine._update (sampling, hand-out)", "build_batch")
+    glue_cpu = (sum(CPU["forward"]) - sum(sum(v) for k, v in CPU.items() if k not in outer)) / steps
     print(f"== {nb} x {prompt} tokens, temperature {temperature}: step median {1e3 * statistics.median(ts):.2f} ms, "
-          f"min {1e3 * min(ts):.2f} ms, process CPU {1e3 * cpu:.1f} ms a step, {faults:.0f} minor faults a step")
+          f"min {1e3 * min(ts):.2f} ms, process CPU {1e3 * cpu:.1f} ms a step, {faults:.0f} minor faults a step, "
+          f"glue {1e3 * glue_cpu:.2f} ms CPU a step")
     print(f"   {'section':38s} {'ms/step':>8s} {'calls':>6s} {'p50 us':>8s} {'min us':>8s} {'cpu p50':>8s} "
-          f"{'cpu min':>8s} {'faults':>7s}  (per call; cpu: the calling thread's; faults a step)")
+          f"{'cpu min':>8s}" + (f" {'faults':>7s}" if COUNT_FAULTS else "") + "  (per call; cpu: the calling thread's)")
     for k, v in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
         c, cpu = CALLS.get(k), CPU.get(k)
         per = (f"{len(c) / steps:6.0f} {1e6 * statistics.median(c):8.1f} {1e6 * min(c):8.1f} "
-               f"{1e6 * statistics.median(cpu):8.1f} {1e6 * min(cpu):8.1f} {FAULTS[k] / steps:7.0f}" if c else "")
+               f"{1e6 * statistics.median(cpu):8.1f} {1e6 * min(cpu):8.1f} " + (f" {FAULTS[k] / steps:7.0f}" if COUNT_FAULTS else "") if c else "")
         print(f"   {k:38s} {1e3 * v / steps:8.3f} {per}")
 
 
@@ -171,9 +181,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="engine.dtype: auto (the CPU's default), float32, bfloat16")
     ap.add_argument("--isolated", type=int, default=0, metavar="REPS",
                     help="then time each linear outside the step, REPS passes over the layers (see isolated())")
+    ap.add_argument("--faults", action="store_true", help="count page faults per section (costs two syscalls a call)")
     ap.add_argument("--threads", type=int, help="engine.num_threads (default: torch's, the machine's cores)")
     ap.add_argument("--isa", choices=cpu_isa.CHOICES, help="GPUSERV_CPU_ISA for this run (avx2: the AVX2 kernels)")
     args = ap.parse_args()
+    global COUNT_FAULTS
+    COUNT_FAULTS = args.faults
     if args.isa:
         os.environ[cpu_isa.ENV] = args.isa
     isa = cpu_isa.apply()  # before the first tensor op: the libraries read it then
