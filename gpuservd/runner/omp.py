@@ -49,8 +49,9 @@ def use_threads(n: int | None) -> int:
 # process's share drops under one core per team thread, the engine thread (normal priority) spins at every
 # op's barrier for a worker that gets almost none of that share, and each op waits for it. One engine
 # decoding 48 rows, the policy alternated every 8 steps on a loaded 2-core machine: 1.47 s a step with
-# the workers at normal priority, 14.2 s with them under SCHED_IDLE (8 rows: 0.46 s against 6.7 s). The
-# in-process engine never lowers its pool, so the daemon then fell to a few percent of its throughput.
+# the workers at normal priority, 14.2 s with them under SCHED_IDLE (8 rows: 0.60 s against 7.7 s;
+# medians over 4 rounds). The in-process engine never lowers its pool, so the daemon then fell to a few
+# percent of its throughput.
 # Set it only where the engines have the cores to themselves.
 WORKER_PRIORITY_ENV = "GPUSERV_OMP_WORKER_PRIORITY"
 IDLE = "idle"
