@@ -120,3 +120,23 @@ def test_onednn_linear_pads_long_row_counts_exactly():
     for rows in (1, 7, 64, 65, 100, 128):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_decode_groups_are_built_only_when_read(monkeypatch):
+    """The kernels never read a batch's decode groups, so build_batch leaves them to the first reader (the
+    torch attention path), which gets what building them at once gave."""
+    from gpuservd.runner import batch as batch_mod
+
+    built = []
+    real = batch_mod._decode_groups
+    monkeypatch.setattr(batch_mod, "_decode_groups", lambda *a: built.append(1) or real(*a))
+    chunks = [SeqChunk([5], 40, [3, 1, 4], True), SeqChunk([6], 300, list(range(10, 29)), True),
+              SeqChunk([7, 8], 0, [2], True)]
+    batch = build_batch(chunks, 16, torch.device("cpu"))
+    assert built == []
+    want = real([41, 301], [[3, 1, 4], list(range(10, 29))], torch.device("cpu"))
+    assert len(batch.decode_groups) == len(want) == 2 and built == [1]
+    for got, exp in zip(batch.decode_groups, want):
+        assert torch.equal(got.rows, exp.rows) and torch.equal(got.block_table, exp.block_table)
+        assert got.max_len == exp.max_len and (got.mask is None) == (exp.mask is None)
+    assert built == [1]  # built once

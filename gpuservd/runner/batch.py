@@ -15,6 +15,7 @@ causal context length): `kernel_*` below.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) where each token's K/V goes
     num_decode: int  # the first num_decode tokens are one-token chunks, one per sequence
-    decode_groups: list[DecodeGroup]  # the decode sequences, grouped by context length
+    decode_groups: Sequence[DecodeGroup]  # the decode sequences, grouped by context length (LazyDecodeGroups)
     decode_block_table: torch.Tensor  # [num_decode, max blocks] int32, rows padded with block 0 (C++ kernel)
     decode_ctx_lens: torch.Tensor  # [num_decode] int32 context length of each decode sequence (C++ kernel)
     prefills: list[PrefillMeta]  # one per multi-token chunk
@@ -138,6 +139,28 @@ def _decode_groups(dec_ctx: list[int], dec_tables: list[list[int]], device: torc
     return groups
 
 
+class LazyDecodeGroups(Sequence):
+    """A batch's decode groups, built when first read. Only the torch attention path reads them (the CPU
+    and CUDA kernels take the block table and the context lengths), and building them was half of
+    build_batch's time: 0.12 of 0.22 ms (min of 300, one core) at 48 decode rows, on the engine's thread
+    every step."""
+
+    def __init__(self, dec_ctx: list[int], dec_tables: list[list[int]], device: torch.device):
+        self._args = (dec_ctx, dec_tables, device)
+        self._groups: list[DecodeGroup] | None = None
+
+    def _built(self) -> list[DecodeGroup]:
+        if self._groups is None:
+            self._groups = _decode_groups(*self._args)
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __getitem__(self, i):
+        return self._built()[i]
+
+
 def _all_logit_rows(chunks: list[SeqChunk], last_row: list[int]) -> list[int]:
     """The rows of the all_logits chunks that are not already sampled rows (chunk i's rows end at last_row[i])."""
     rows: list[int] = []
@@ -189,7 +212,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         else:
             prefills.append(PrefillMeta(q_start, n, ctx, torch.tensor(c.block_ids[:need], device=device),
                                         kernel=rank(i) == 1))
-    groups = _decode_groups(dec_ctx, dec_tables, device)
+    groups = LazyDecodeGroups(dec_ctx, dec_tables, device)
     max_blocks = max((len(t) for t in dec_tables), default=0)
     decode_block_table = torch.tensor(
         [t + [0] * (max_blocks - len(t)) for t in dec_tables], dtype=torch.int32, device=device
