@@ -125,6 +125,14 @@ def pack_panels_exact(w: torch.Tensor) -> torch.Tensor:
     return pack_panels(w)
 
 
+def _huge(packed: torch.Tensor) -> torch.Tensor:
+    """Pair panels in a 2 MB-page mapping like the column panels' (csrc/packed_panels_f32.cpp huge_copy)."""
+    ops = cpu_kernels.get() if packed.device.type == "cpu" else None
+    if ops is None or not hasattr(ops, "huge_copy") or not _switch_on(HUGE_PAGES_SWITCH):
+        return packed
+    return ops.huge_copy(packed)
+
+
 def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The dense W [n, k] a column-panel tensor holds (fp32 from bf16 panels: exact)."""
     p = packed.shape[0]
@@ -175,7 +183,7 @@ class Linear:
         self.packed = None
         self.panels = use_packed and weight.dtype == torch.float32  # fp32 column panels, else bf16 pairs
         if use_packed:
-            self.packed = pack_panels_exact(weight) if self.panels else pack_pairs(weight)
+            self.packed = pack_panels_exact(weight) if self.panels else _huge(pack_pairs(weight))
         self._row_offsets = None  # rows(): where each input column of a row lies in the packed layout
         self._lane_pos = None  # rows() of bf16 panels: where each of a panel's 16 columns lies in a k step
         self.weight = None if use_packed else (weight if weight.is_contiguous() else weight.contiguous())
