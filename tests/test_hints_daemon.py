@@ -39,7 +39,7 @@ def run(tmp_path_factory, tiny_model_dir):
     # 24 long requests it read 58-71% in four runs.
     # Prefix caching off: 64 greedy requests with one prompt would share their blocks (a recomputed one
     # finds its tokens cached) and the pool would not stay full.
-    d = DaemonProcess(tmp, home, config={"engine": {"kv_cache_bytes": "240KiB", "prefix_caching": False},
+    d = DaemonProcess(tmp, home, config={"engine": {"kv_cache_bytes": "240KiB", "prefix_caching": False, "dtype": "float32"},
                                          "preemption": {"mode": "off", "max_preemptions": 8},
                                          "scheduler": {"max_num_seqs": 16}})
     try:

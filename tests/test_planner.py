@@ -184,6 +184,12 @@ def test_two_seed_models_fit_the_card():
     assert p.quota_total == 60 * GB and p.memory_fits is True and not p.warnings
 
 
+def auto_width() -> int:
+    """Bytes an element of `engine.dtype: auto` takes on this machine's CPU (bf16 where it has AVX512_BF16)."""
+    from gpuservd.dtypes import choose_dtype
+    return {"float32": 4, "bfloat16": 2}[choose_dtype("cpu")[0]]
+
+
 def test_quota_terms_from_the_store_and_the_engine(store_home):
     from gpuservd.config import EngineConfig
     from gpuservd.runner.model_config import load_arch
@@ -201,7 +207,7 @@ def test_quota_terms_from_the_store_and_the_engine(store_home):
     assert q.overhead == CUDA_OVERHEAD_BYTES and q.quota >= q.need * 1.2
     # The engine's default pool: a fraction of what the weights leave of the device budget.
     cpu = memory_quota("tiny", sharing({}), backend="cpu")
-    assert cpu.weights == info.num_parameters * 4 and cpu.overhead == 0
+    assert cpu.weights == info.num_parameters * auto_width() and cpu.overhead == 0
     assert cpu.kv_peak == int((4 * 1024**3 - cpu.weights) * 0.4)
 
 
@@ -213,7 +219,7 @@ def test_kv_peak_falls_back_to_full_contexts_when_the_budget_cannot_hold_the_wei
     arch = load_arch(ModelStore().info("tiny").path)
     warnings = []
     q = memory_quota("tiny", sharing({}), engine=EngineConfig(device_memory_bytes=1000), warnings=warnings)
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * auto_width()
     assert q.kv_peak == 64 * arch.max_position_embeddings * per_token and q.sources["kv_peak"] == "estimate"
     assert "does not hold its weights" in warnings[0]
 

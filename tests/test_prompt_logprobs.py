@@ -15,7 +15,9 @@ PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 180, 66, 12, 9, 140, 201, 33, 8, 77, 64,
 
 
 def engine(model_dir, **sched) -> LLMEngine:
-    cfg = EngineConfig(model="tiny", block_size=4, kv_cache_bytes=4 << 20, num_threads=1, prefix_caching=True)
+    # fp32 as the transformers reference (auto is bf16 on an AVX512_BF16 CPU)
+    cfg = EngineConfig(model="tiny", block_size=4, kv_cache_bytes=4 << 20, num_threads=1, prefix_caching=True,
+                       dtype="float32")
     for k, v in sched.items():
         setattr(cfg.scheduler, k, v)
     return LLMEngine("tiny", model_dir, cfg)

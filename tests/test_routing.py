@@ -150,8 +150,9 @@ def three_models(store_home, tiny_model_dir):
 
 def two_slot_config(weight_bytes):
     """Two CPU device slots, each with room for one tiny model's weights (not two)."""
+    # fp32 pinned: the three_models fixture sizes the slots for fp32 weights (auto is bf16 on an AVX512_BF16 CPU)
     return {"engine": {"devices": ["cpu:0", "cpu:1"], "device_memory_bytes": int(weight_bytes * 1.5),
-                       "kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
+                       "kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1, "dtype": "float32"},
             "cache": {"cache_size": 4, "host_bytes": 0},
             "sharing": {"quantum_ms": 10},
             "server": {"models": []}}
