@@ -23,23 +23,25 @@ log "2. peers through HTTP, fp32 with the AVX2 kernels (--isa avx2)"; load
 timeout 1500 $G bench -w profiles/workloads/mixed-short-long.yaml -c profiles/engine/fp32-48.yaml \
     --peers llama_server,vllm_cpu --isa avx2 --out $R/peers-fp32-avx2 > $R/peers-fp32-avx2.log 2>&1; echo "rc $?" >> $R/measure.log
 
-log "3. HTTP vs in-process at 48 streams, 2 rounds, default dtype and fp32+avx2"; load
+log "3. HTTP vs in-process at 48 streams, 2 rounds, default dtype, engine thread / worker process"; load
 timeout 900 bash /work/wt/final14/serve22-measure.sh /work/main $RA/http-vs-inprocess 2 > $R/http-vs-inprocess.log 2>&1; echo "rc $?" >> $R/measure.log
 CONFIG=/work/wt/final14/peers-48-process.yaml timeout 900 bash /work/wt/final14/serve22-measure.sh /work/main $RA/http-vs-inprocess-process 2 > $R/http-vs-inprocess-process.log 2>&1; echo "rc $?" >> $R/measure.log
-CONFIG=/work/wt/final14/fp32-48-process.yaml ISA=avx2 timeout 900 bash /work/wt/final14/serve22-measure.sh /work/main $RA/http-vs-inprocess-fp32-avx2-process 2 > $R/http-vs-inprocess-fp32-avx2-process.log 2>&1; echo "rc $?" >> $R/measure.log
-CONFIG=profiles/engine/fp32-48.yaml ISA=avx2 timeout 900 bash /work/wt/final14/serve22-measure.sh /work/main $RA/http-vs-inprocess-fp32-avx2 2 > $R/http-vs-inprocess-fp32-avx2.log 2>&1; echo "rc $?" >> $R/measure.log
+
+log "6. /metrics under 20 scrapes/s beside 4 streams on 2 models: workers at normal priority (the default now) / SCHED_IDLE"; load
+timeout 900 bash /work/wt/final14/metrics-measure.sh $RA/metrics default default-idle > $R/metrics.log 2>&1; echo "rc $?" >> $R/measure.log
 
 log "4. step sections, base 7b91973 / main alternated (8 x 480, 48 x 64), bf16 native and fp32 avx2"; load
 # main's script on both trees (the base's has no --dtype), each tree's gpuservd on PYTHONPATH
-for isa in native avx2; do for t in base main base main; do d=$BASE; [ $t = main ] && d=/work/main; echo "== $t $isa" >> $R/profile-ab.txt
+for isa in native avx2; do for t in base main; do d=$BASE; [ $t = main ] && d=/work/main; echo "== $t $isa" >> $R/profile-ab.txt
   (cd $d && PYTHONPATH=$d timeout 300 /work/main/.venv/bin/python /work/main/scripts/profile_decode_step.py --cases 8x480,48x64 --steps 20 \
      --isa $isa $([ $isa = avx2 ] && echo --dtype float32)) >> $R/profile-ab.txt 2>&1; done; done
+
+log "3b. HTTP vs in-process at 48 streams, 2 rounds, fp32+avx2, engine thread / worker process"; load
+CONFIG=profiles/engine/fp32-48.yaml ISA=avx2 timeout 900 bash /work/wt/final14/serve22-measure.sh /work/main $RA/http-vs-inprocess-fp32-avx2 2 > $R/http-vs-inprocess-fp32-avx2.log 2>&1; echo "rc $?" >> $R/measure.log
+CONFIG=/work/wt/final14/fp32-48-process.yaml ISA=avx2 timeout 900 bash /work/wt/final14/serve22-measure.sh /work/main $RA/http-vs-inprocess-fp32-avx2-process 2 > $R/http-vs-inprocess-fp32-avx2-process.log 2>&1; echo "rc $?" >> $R/measure.log
 
 log "5. srf against fcfs: the longest request's completion (starvation), default dtype"; load
 timeout 900 $G bench -w profiles/workloads/mixed-short-long.yaml -c profiles/scheduler/srf.yaml \
     --compare profiles/scheduler/fcfs.yaml --peers none --out $R/srf-vs-fcfs > $R/srf-vs-fcfs.log 2>&1; echo "rc $?" >> $R/measure.log
-
-log "6. /metrics under 20 scrapes/s beside 4 streams on 2 models: workers at normal priority (the default now) / SCHED_IDLE"; load
-timeout 900 bash /work/wt/final14/metrics-measure.sh $RA/metrics default default-idle default default-idle > $R/metrics.log 2>&1; echo "rc $?" >> $R/measure.log
 
 log "done"; load
