@@ -40,7 +40,6 @@ from gpuservd.paths import models_root
 from gpuservd.runner import attention, cpu_isa, llama
 from gpuservd.runner import model_runner as mr
 
-TOTALS: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, list[float]] = collections.defaultdict(list)  # every call's seconds, per section
 # every call's CPU seconds on the calling thread: with --threads 1 the call's own work, which a shared
 # machine's other jobs do not stretch (time off the core is not counted; their cache traffic still is)
@@ -68,7 +67,6 @@ def timed(fn, key: str, keep_input: bool = False):
             return fn(*a, **k)
         finally:
             dt, dc = time.perf_counter() - t, time.thread_time() - c
-            TOTALS[key] += dt
             CALLS[key].append(dt)
             CPU[key].append(dc)
             if COUNT_FAULTS:
@@ -110,7 +108,6 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
                         SamplingParams(max_tokens=steps + 40, ignore_eos=True, temperature=temperature))
     for _ in range(8 + nb * prompt // 128):  # the prompts (chunked prefill) and a few decode steps
         eng.step()
-    TOTALS.clear()
     CALLS.clear()
     CPU.clear()
     FAULTS.clear()
@@ -127,17 +124,16 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
             eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
-    inner = sum(v for k, v in TOTALS.items() if k not in ("forward", "engine._update (sampling, hand-out)",
-                                                          "build_batch"))
-    TOTALS["glue (forward minus sections)"] = TOTALS["forward"] - inner
+    totals = {k: sum(v) for k, v in CALLS.items()}
     outer = ("forward", "engine._update (sampling, hand-out)", "build_batch")
+    totals["glue (forward minus sections)"] = totals["forward"] - sum(v for k, v in totals.items() if k not in outer)
     glue_cpu = (sum(CPU["forward"]) - sum(sum(v) for k, v in CPU.items() if k not in outer)) / steps
     print(f"== {nb} x {prompt} tokens, temperature {temperature}: step median {1e3 * statistics.median(ts):.2f} ms, "
           f"min {1e3 * min(ts):.2f} ms, process CPU {1e3 * cpu:.1f} ms a step, {faults:.0f} minor faults a step, "
           f"glue {1e3 * glue_cpu:.2f} ms CPU a step")
     print(f"   {'section':38s} {'ms/step':>8s} {'calls':>6s} {'p50 us':>8s} {'min us':>8s} {'cpu p50':>8s} "
           f"{'cpu min':>8s}" + (f" {'faults':>7s}" if COUNT_FAULTS else "") + "  (per call; cpu: the calling thread's)")
-    for k, v in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
+    for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
         c, cpu = CALLS.get(k), CPU.get(k)
         per = (f"{len(c) / steps:6.0f} {1e6 * statistics.median(c):8.1f} {1e6 * min(c):8.1f} "
                f"{1e6 * statistics.median(cpu):8.1f} {1e6 * min(cpu):8.1f} " + (f" {FAULTS[k] / steps:7.0f}" if COUNT_FAULTS else "") if c else "")

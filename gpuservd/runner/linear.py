@@ -87,12 +87,17 @@ BF16_PANEL_POS = [2 * j if j < 8 else 2 * (j - 8) + 1 for j in range(PANEL)]
 
 def pack_pairs(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> pair panels [ceil(N/16), ceil(K/2), 32]: packed[p][kk][2j + e] = W[16p + j][2kk + e],
-    zero padded (csrc/packed_gemm.cpp)."""
+    zero padded (csrc/packed_gemm.cpp); on the CPU in a 2 MB-page mapping like the column panels'
+    (csrc/packed_panels_f32.cpp huge_copy)."""
     n, k = w.shape
     p, k2 = -(-n // PANEL), -(-k // 2)
     if n % PANEL or k % 2:
         w = torch.nn.functional.pad(w, (0, 2 * k2 - k, 0, p * PANEL - n))
-    return w.reshape(p, PANEL, k2, 2).permute(0, 2, 1, 3).contiguous().view(p, k2, 2 * PANEL)
+    packed = w.reshape(p, PANEL, k2, 2).permute(0, 2, 1, 3).contiguous().view(p, k2, 2 * PANEL)
+    ops = cpu_kernels.get() if packed.device.type == "cpu" else None
+    if ops is None or not hasattr(ops, "huge_copy") or not _switch_on(HUGE_PAGES_SWITCH):
+        return packed
+    return ops.huge_copy(packed)
 
 
 def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -123,14 +128,6 @@ def pack_panels_exact(w: torch.Tensor) -> torch.Tensor:
             and ops.bf16_exact(w)):
         return ops.pack_panels_bf16(w, _switch_on(HUGE_PAGES_SWITCH))
     return pack_panels(w)
-
-
-def _huge(packed: torch.Tensor) -> torch.Tensor:
-    """Pair panels in a 2 MB-page mapping like the column panels' (csrc/packed_panels_f32.cpp huge_copy)."""
-    ops = cpu_kernels.get() if packed.device.type == "cpu" else None
-    if ops is None or not hasattr(ops, "huge_copy") or not _switch_on(HUGE_PAGES_SWITCH):
-        return packed
-    return ops.huge_copy(packed)
 
 
 def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -183,7 +180,7 @@ class Linear:
         self.packed = None
         self.panels = use_packed and weight.dtype == torch.float32  # fp32 column panels, else bf16 pairs
         if use_packed:
-            self.packed = pack_panels_exact(weight) if self.panels else _huge(pack_pairs(weight))
+            self.packed = pack_panels_exact(weight) if self.panels else pack_pairs(weight)
         self._row_offsets = None  # rows(): where each input column of a row lies in the packed layout
         self._lane_pos = None  # rows() of bf16 panels: where each of a panel's 16 columns lies in a k step
         self.weight = None if use_packed else (weight if weight.is_contiguous() else weight.contiguous())

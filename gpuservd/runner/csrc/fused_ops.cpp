@@ -118,8 +118,8 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps)
 }
 
 // h += d, then y = RMSNorm(h) * w, row by row: each row's add and norm in one pass while the row is in
-// L1, spread over the team as rms_rows (the add was a separate loop over the whole batch on the calling
-// thread before the norm's parallel rows).
+// L1, spread over the team as rms_rows, rather than an add over the whole batch on the calling thread
+// ahead of the norm's parallel rows.
 template <typename T>
 void add_rms_rows(T* h, const T* d, const T* w, T* y, int64_t rows, int64_t D, double eps) {
   at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
