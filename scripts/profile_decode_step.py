@@ -8,7 +8,9 @@ elementwise ops (rms_norm, add_rms_norm_, rope_store_kv, silu_mul), the final no
 build and the engine's sampling and hand-out (_update); "glue" is the forward's time outside all of them
 (Python per layer, views, dispatch). Also the minor page faults per step, and with --faults per section
 (first writes into the lazily zeroed KV pool land in rope_store_kv). The wrappers add ~1-2 us a call
-(more with --faults), so sections are upper bounds; take ratios, not sums.
+(more with --faults), so sections are upper bounds; take ratios, not sums. Timing inside the layers runs
+them in the per-layer loop; --stack runs them as the engine does (one decoder_stack op a forward, no
+interpreter between the ops) and times the step and its outer sections only.
 
 Per call, each section gives its wall p50 and min and the calling thread's CPU time (p50, min). On a
 shared machine a 2-thread team waits at every barrier for a thread that is off its core, so wall times
@@ -85,15 +87,19 @@ class TimedOps:
         return timed(getattr(self._ops, name), name)
 
 
-def instrument(eng: LLMEngine) -> None:
+def instrument(eng: LLMEngine, layers: bool = True) -> None:
+    """layers: time the sections inside the layers, which runs them in the per-layer loop; else the layers
+    run as the engine runs them (in one decoder_stack op where it can) and only the outer sections are timed."""
     model = eng.runner.model
-    if model._ops is not None:
-        model._ops = TimedOps(model._ops)
-    llama.paged_attention = timed(attention.paged_attention, "attention")
-    for i in range(model.arch.num_layers):
-        lw = model.weights.layer(i)
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(lw, name, timed(getattr(lw, name), "linear:" + name, keep_input=True))
+    if layers:
+        model.stack_enabled = False
+        if model._ops is not None:
+            model._ops = TimedOps(model._ops)
+        llama.paged_attention = timed(attention.paged_attention, "attention")
+        for i in range(model.arch.num_layers):
+            lw = model.weights.layer(i)
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                setattr(lw, name, timed(getattr(lw, name), "linear:" + name, keep_input=True))
     model.logits = timed(model.logits, "final norm + lm_head")
     model.forward = timed(model.forward, "forward")
     eng._update = timed(eng._update, "engine._update (sampling, hand-out)")
@@ -180,6 +186,8 @@ def main() -> None:
     ap.add_argument("--faults", action="store_true", help="count page faults per section (costs two syscalls a call)")
     ap.add_argument("--threads", type=int, help="engine.num_threads (default: torch's, the machine's cores)")
     ap.add_argument("--isa", choices=cpu_isa.CHOICES, help="GPUSERV_CPU_ISA for this run (avx2: the AVX2 kernels)")
+    ap.add_argument("--stack", action="store_true",
+                    help="run the layers as the engine does (one decoder_stack op) and time only the outer sections")
     args = ap.parse_args()
     global COUNT_FAULTS
     COUNT_FAULTS = args.faults
@@ -189,9 +197,9 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
     cfg.scheduler.max_num_seqs = 64
     eng = LLMEngine(args.model, models_root() / args.model, cfg)
-    instrument(eng)
+    instrument(eng, layers=not args.stack)
     print(f"dtype {cfg.dtype}, ISA {isa}, {eng.runner.model.kernels or 'torch'} kernels, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, layers {'in one op' if args.stack else 'in the timed loop'}")
     for case in args.cases.split(","):
         nb, prompt = map(int, case.split("x"))
         run_case(eng, nb, prompt, args.temperature, args.steps)

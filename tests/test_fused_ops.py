@@ -172,6 +172,7 @@ def test_fused_forward_adds_each_residual_and_norms_the_next_layer_in_one_op(ops
     arch = load_arch(tmp_path)
     weights = load_weights(tmp_path, arch, torch.float32, torch.device("cpu"))
     model = LlamaModel(arch, weights, 128, torch.float32, "cpu")
+    model.stack_enabled = False  # the layer loop (the stack runs these ops from C++: test_decoder_stack.py)
     model._ops = counting = _CountingOps(ops)
     logits = []
     for suspend_at in (None, 0):

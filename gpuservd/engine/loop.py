@@ -224,6 +224,7 @@ class EngineLoop:
                 self.arbiter.close()
             self.arbiter = handle
             engine.yield_point = handle.between_layers if handle is not None else None
+            engine.device_alone = handle.alone if handle is not None else None
 
         return self.call(apply)
 
@@ -283,6 +284,7 @@ class EngineLoop:
         pool = PoolPriority() if getattr(device, "type", None) == "cpu" else None
         if self.arbiter is not None:
             engine.yield_point = self.arbiter.between_layers
+            engine.device_alone = self.arbiter.alone
         self._beat()
         self.ready.set_result(engine)
         while True:

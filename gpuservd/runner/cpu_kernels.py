@@ -6,6 +6,9 @@
 - `rms_norm`, `add_rms_norm_`, `silu_mul`, `rope_store_kv`: the decoder
   layer's elementwise steps fused one op each (fused_ops.cpp), because at
   decode batch sizes torch's dispatch and allocations cost more than the math.
+- `decoder_stack`: every decoder layer of a forward in one call, the ops
+  above and the packed linears below in the layer loop's order (llama.py
+  says when a forward can take it).
 - `gemv`: y = x @ W^T + b for decode-sized row counts on the dense weight,
   streamed once at close to memory bandwidth (gemv.cpp; Linear routes rows).
 - `packed_linear`: y = x @ W^T + b in bf16 for every row count, W repacked in
@@ -53,7 +56,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemv.cpp", CSRC / "packed_gemm.cpp",
-           CSRC / "packed_gemm_f32.cpp", CSRC / "packed_panels_f32.cpp"]
+           CSRC / "packed_gemm_f32.cpp", CSRC / "packed_panels_f32.cpp", CSRC / "decoder_stack.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))  # included by the sources: part of the build hash
 ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 

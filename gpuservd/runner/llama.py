@@ -7,6 +7,8 @@ chunks do not pay for the LM head on every token.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,10 @@ from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.rope import RopeTables, apply_rope
+from gpuservd.runner.linear import Linear
 from gpuservd.runner.model_weights import LayerWeights, ModelWeights
+
+STACK_ENV = "GPUSERV_CPU_STACK"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,6 +54,9 @@ class LlamaModel:
         # Called between a layer's attention and its MLP (the halfway point of every layer): the sharing
         # arbiter's yield point, so a neighbour waits at most half a layer of this model. None = no call.
         self.mid_layer = None
+        # Decode-style forwards run every layer in one C++ op where they can (_stack_args);
+        # GPUSERV_CPU_STACK=0 keeps the per-layer loop (section timings, A/B).
+        self.stack_enabled = self.kernels == "c++" and os.environ.get(STACK_ENV, "1") != "0"
 
     def layer_forward(self, i: int, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, rope):
         """One decoder layer on hidden states h [T, D]; rope = (cos, sin) of the batch. Returns the new h [T, D]."""
@@ -98,6 +106,36 @@ class LlamaModel:
         # The next layer's weights asked for only now: a layered load may still be bringing them in.
         return h, ops.add_rms_norm_(h, delta, self.weights.layer(i + 1).input_norm, a.rms_norm_eps)
 
+    def _stack_args(self, batch: ForwardBatch, kv_layers):
+        """decoder_stack's per-layer lists when this forward can run all its layers in that one op, else None:
+        it needs the C++ kernels, every row attending in the paged kernel, every layer loaded, no call between
+        layers (the arbiter's halfway point: runner.model.mid_layer) and every linear a plain packed Linear of one
+        layout (a variant's adapters, int8 weights and the unpacked paths take the layer loop)."""
+        if not self.stack_enabled or self._ops is None or batch.num_kernel_rows != batch.input_ids.shape[0]:
+            return None
+        if self.mid_layer is not None:
+            return None
+        gate = self.weights.gate
+        if gate is not None and gate.num_ready < self.arch.num_layers:
+            return None  # a layered load still streams layers in: the loop waits for each as it goes
+        weights, biases, norms, k_caches, v_caches = [], [], [], [], []
+        panels = None
+        for i, lw in enumerate(self.weights.layers):
+            if lw is None:
+                return None
+            for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                if type(lin) is not Linear or lin.packed is None or panels not in (None, lin.panels):
+                    return None
+                panels = lin.panels
+                weights.append(lin.packed)
+                biases.append(lin.bias)
+            norms += (lw.input_norm, lw.post_norm)
+            k, v = kv_layers(i)
+            k_caches.append(k)
+            v_caches.append(v)
+        widths = [lin.out_features for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+        return weights, biases, widths, panels, norms, k_caches, v_caches
+
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         return self.weights.embed_tokens(batch.input_ids)  # [T, D]
 
@@ -116,6 +154,13 @@ class LlamaModel:
         else:
             h, start = resume.hidden, resume.next_layer
         rope = self.rope.lookup(batch.positions)
+        if resume is None and suspend is None:
+            stack = self._stack_args(batch, kv_layers)
+            if stack is not None:  # every layer in one C++ call: the same ops, no interpreter between them
+                self._ops.decoder_stack(h, *stack, rope[0], rope[1], batch.slots, batch.kernel_block_table,
+                                        batch.kernel_ctx_lens, self.arch.num_heads, self.arch.num_kv_heads,
+                                        self.arch.rms_norm_eps, self.scale)
+                return self.logits(h, batch)
         last = self.arch.num_layers - 1
         x = None  # the fused path: h under the next layer's input norm, made by the layer before
         for i in range(start, self.arch.num_layers):

@@ -485,6 +485,12 @@ class ArbiterHandle:
     def between_layers(self, layer: int) -> None:
         self.arbiter._between_layers(self.share)
 
+    def alone(self) -> bool:
+        """No other model is registered in this model's group: nobody to yield the device to (asked at each
+        step; a model that registers during a step waits for that step's end)."""
+        m = self.share
+        return not any(x is not m and x.group == m.group for x in list(self.arbiter._models.values()))
+
     def end_step(self, decode_only: bool = True) -> None:
         self.arbiter._end_step(self.share, decode_only)
 
