@@ -19,8 +19,13 @@ still counts), and the mins say what a quiet machine would give. --isolated REPS
 on the last step's input outside the step, on one layer's weight back to back ("hot": in cache) and on
 the layers' weights in turn ("cold": as a step meets them), to tell cache effects from the step's own.
 
+--mixed D+P/K,... times a step of a burst's short phase: D decode rows at 64 tokens of context beside
+P prompt tokens in K prefill chunks from position 0 (e.g. 40+256/6), run through the model runner on made-up
+block tables (no engine, no sampling: the forward and its sections only).
+
     PYTHONPATH=. .venv/bin/python scripts/profile_decode_step.py --cases 8x480,1x480,8x32,1x32 [--temperature 0.8]
     ... --cases 48x64,8x480 --steps 20 --dtype float32 --isa avx2 [--threads 1 --isolated 3]
+    ... --cases none --mixed 40+256/6,16+256/8 --steps 20
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from gpuservd.engine.request import SamplingParams
 from gpuservd.paths import models_root
 from gpuservd.runner import attention, cpu_isa, llama
 from gpuservd.runner import model_runner as mr
+from gpuservd.runner.batch import SeqChunk
 
 CALLS: dict[str, list[float]] = collections.defaultdict(list)  # every call's seconds, per section
 # every call's CPU seconds on the calling thread: with --threads 1 the call's own work, which a shared
@@ -130,11 +136,53 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
             eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
+    report(f"{nb} x {prompt} tokens, temperature {temperature}", ts, cpu, faults, steps)
+
+
+def mixed_chunks(dec: int, pf: int, k: int, block_size: int, ctx: int = 64) -> list[SeqChunk]:
+    """dec decode rows at ctx tokens of context, then pf prompt tokens in k chunks from position 0, each
+    sequence on blocks of its own (the KV they write and read is made up: only the timing counts)."""
+    random.seed(dec * 1000 + pf)
+    chunks, nxt = [], 0
+
+    def blocks(n_tokens: int) -> list[int]:
+        nonlocal nxt
+        n = -(-n_tokens // block_size)
+        nxt += n
+        return list(range(nxt - n, nxt))
+
+    for _ in range(dec):
+        chunks.append(SeqChunk([random.randrange(1000, 20000)], ctx - 1, blocks(ctx), sample=True))
+    for j in range(k):
+        n = pf // k + (1 if j < pf % k else 0)
+        chunks.append(SeqChunk([random.randrange(1000, 20000) for _ in range(n)], 0, blocks(n), sample=True))
+    return chunks
+
+
+def run_mixed(eng: LLMEngine, dec: int, pf: int, k: int, steps: int) -> None:
+    runner = eng.runner
+    chunks = mixed_chunks(dec, pf, k, runner.block_size)
+    for _ in range(3):
+        runner.execute(chunks)
+    CALLS.clear()
+    CPU.clear()
+    FAULTS.clear()
+    f0, cpu0 = minflt(), time.process_time()
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        runner.execute(chunks)
+        ts.append(time.perf_counter() - t)
+    report(f"{dec} decode rows + {pf} prompt tokens in {k} chunks", ts, (time.process_time() - cpu0) / steps,
+           (minflt() - f0) / steps, steps)
+
+
+def report(title: str, ts: list[float], cpu: float, faults: float, steps: int) -> None:
     totals = {k: sum(v) for k, v in CALLS.items()}
     outer = ("forward", "engine._update (sampling, hand-out)", "build_batch")
     totals["glue (forward minus sections)"] = totals["forward"] - sum(v for k, v in totals.items() if k not in outer)
     glue_cpu = (sum(CPU["forward"]) - sum(sum(v) for k, v in CPU.items() if k not in outer)) / steps
-    print(f"== {nb} x {prompt} tokens, temperature {temperature}: step median {1e3 * statistics.median(ts):.2f} ms, "
+    print(f"== {title}: step median {1e3 * statistics.median(ts):.2f} ms, "
           f"min {1e3 * min(ts):.2f} ms, process CPU {1e3 * cpu:.1f} ms a step, {faults:.0f} minor faults a step, "
           f"glue {1e3 * glue_cpu:.2f} ms CPU a step")
     print(f"   {'section':38s} {'ms/step':>8s} {'calls':>6s} {'p50 us':>8s} {'min us':>8s} {'cpu p50':>8s} "
@@ -177,6 +225,7 @@ def isolated(eng: LLMEngine, reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="8x480,1x480,8x32,1x32", help="NxC,...: N sequences of C prompt tokens")
+    ap.add_argument("--mixed", default="", help="D+P/K,...: D decode rows beside P prompt tokens in K chunks")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--model", default="smollm2")
@@ -200,9 +249,15 @@ def main() -> None:
     instrument(eng, layers=not args.stack)
     print(f"dtype {cfg.dtype}, ISA {isa}, {eng.runner.model.kernels or 'torch'} kernels, "
           f"{torch.get_num_threads()} threads, layers {'in one op' if args.stack else 'in the timed loop'}")
-    for case in args.cases.split(","):
+    for case in args.cases.split(",") if args.cases != "none" else []:
         nb, prompt = map(int, case.split("x"))
         run_case(eng, nb, prompt, args.temperature, args.steps)
+        if args.isolated:
+            isolated(eng, args.isolated)
+    for case in filter(None, args.mixed.split(",")):
+        dec, rest = case.split("+")
+        pf, k = rest.split("/")
+        run_mixed(eng, int(dec), int(pf), int(k), args.steps)
         if args.isolated:
             isolated(eng, args.isolated)
 
