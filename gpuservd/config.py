@@ -100,17 +100,20 @@ class SchedulerConfig:
     max_prefill_tokens: int = 256  # prefill tokens per step (the chunk budget)
     max_num_prefill_seqs: int = 8  # sequences that may prefill in one step
     # srf deferral: while at least `defer_min_running` sequences run, a waiting request whose aged claim is
-    # `defer_ratio` times (or more) the largest running claim is not admitted, even to a free slot. On a CPU a
-    # step this wide is compute-bound, so every row costs every co-runner time: a long request taking a slot
-    # the moment one frees slows the short ones still running by its row, for little throughput. It joins
+    # `defer_ratio` times (or more) the largest running claim is not admitted, even to a free slot. On a CPU
+    # every row of a step costs every co-runner time (a step is compute-bound from a few rows: bf16 on the
+    # 2-core Zen 4, 9 rows took 16 ms, 17 rows 24 ms), and a long request's prompt is one long step for all of
+    # them: a long request taking a slot the moment one frees slows the short ones still running. It joins
     # once the batch narrows below `defer_min_running`, or once aging has brought its claim within the ratio
-    # (at most its work / aging steps: the aging bound holds). 0 turns it off. Chosen on the mixed-short-long
-    # burst with scripts/burst_breakdown.py --simulate (the real scheduler, step times modeled on SmolLM2
-    # fp32 on 2 cores): ratio 2 at 16 running took the short class's median from 10.6 to 9.8 s and its
-    # slowest from 13.6 to 13.1 s, the longest request from 31.2 to 31.7 s (fcfs: 30.6 s), 161 -> 159 tok/s;
-    # at 8 running: 12.9 s slowest short, 32.0 s longest, 157 tok/s. No change on mixed-poisson-96.
+    # (at most its work / aging steps: the aging bound holds). 0 turns it off. At 1 it joins when the last
+    # request of the smaller size is done. On the mixed-short-long burst (48 running, scripts/burst_breakdown.py
+    # --simulate) 16 -> 1 took the short class's P99 from 13.0 to 11.9 s (the real engine: 2564 prompt tokens
+    # and 2314 decode rows in the short phase -> 2267 and 2115, the 8 longs' prompts and rows left out), the
+    # longest request from 31.7 to 32.3 s (fcfs: 30.6 s), 159 -> 156 tok/s; on long-tail-drag the shorts'
+    # slowest 2.83 -> 2.65 s, the long one 14.7 -> 15.7 s (fcfs: 14.7). No change on the poisson workloads
+    # (a running long request makes the largest claim, so nothing of its size waits).
     defer_ratio: float = 2.0
-    defer_min_running: int = 16
+    defer_min_running: int = 1
 
 
 @dataclass

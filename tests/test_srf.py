@@ -176,8 +176,9 @@ def test_the_prefill_budget_goes_to_the_least_remaining_work(order, first):
 
 def _full_pool(spec):
     """Three requests decoding, 9 tokens known and 8 cached in 2 blocks each: the 6-block pool is full and
-    each needs a block for its next token (the srf victim policy, nothing displaced)."""
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens=64), BlockPool(6), 4,
+    each needs a block for its next token (the srf victim policy, nothing displaced; no deferral, which would
+    keep the 100-token one out while the others run)."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens=64, defer_ratio=0), BlockPool(6), 4,
                   PreemptionConfig(min_exec_s=0, mode="off", victim_policy="srf"), layout=KVLayout(2, 2048))
     reqs = [Request(f"r{i}", [5] * 7, SamplingParams(max_tokens=mt), arrival_time=i) for i, mt in enumerate(spec)]
     for r in reqs:
