@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuservd.runner import cpu_kernels
+from gpuservd.runner.panel_arena import HUGE_PAGES_SWITCH, PanelArena
 
 # oneDNN builds and caches one kernel per distinct row count. Rows above EXACT_ROWS
 # (prefill chunks) are padded up to a multiple of ROW_BUCKET, so a long-running
@@ -77,23 +78,27 @@ GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PANEL = 16  # output columns per panel of both packed layouts (fp32 lanes of one AVX-512 register)
 PACKED_SWITCH = "GPUSERV_PACKED_WEIGHTS"
 BF16_PANELS_SWITCH = "GPUSERV_PANELS_BF16"
-# Panel tensors of >= 2 MB in 2 MB-aligned MADV_HUGEPAGE mappings (csrc/packed_panels_f32.cpp): on the
-# 2-core EPYC 5-12% less time per streamed matmul; =0 keeps torch's allocator (the A/B reference).
-HUGE_PAGES_SWITCH = "GPUSERV_PANELS_HUGE_PAGES"
+# HUGE_PAGES_SWITCH: panels in 2 MB-aligned MADV_HUGEPAGE mappings (csrc/packed_panels_f32.cpp), the
+# layers' cut from shared blocks (panel_arena.py); =0 keeps torch's allocator (the A/B reference).
 # Where column j of a bf16 panel's k step lies: columns 0-7 in the even halves, 8-15 in the odd ones
 # (csrc/packed_panels_f32.cpp).
 BF16_PANEL_POS = [2 * j if j < 8 else 2 * (j - 8) + 1 for j in range(PANEL)]
 
 
-def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+def pack_pairs(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
     """W [N, K] -> pair panels [ceil(N/16), ceil(K/2), 32]: packed[p][kk][2j + e] = W[16p + j][2kk + e],
-    zero padded (csrc/packed_gemm.cpp); on the CPU in a 2 MB-page mapping like the column panels'
-    (csrc/packed_panels_f32.cpp huge_copy)."""
+    zero padded (csrc/packed_gemm.cpp); on the CPU on 2 MB pages like the column panels': cut from the
+    arena's blocks when given, else in a mapping of their own (csrc/packed_panels_f32.cpp huge_copy)."""
     n, k = w.shape
     p, k2 = -(-n // PANEL), -(-k // 2)
     if n % PANEL or k % 2:
         w = torch.nn.functional.pad(w, (0, 2 * k2 - k, 0, p * PANEL - n))
-    packed = w.reshape(p, PANEL, k2, 2).permute(0, 2, 1, 3).contiguous().view(p, k2, 2 * PANEL)
+    pairs = w.reshape(p, PANEL, k2, 2).permute(0, 2, 1, 3)
+    if arena is not None and w.device.type == "cpu":
+        out = arena.empty((p, k2, 2 * PANEL), w.dtype)
+        out.view(p, k2, PANEL, 2).copy_(pairs)  # permuted straight into place
+        return out
+    packed = pairs.contiguous().view(p, k2, 2 * PANEL)
     ops = cpu_kernels.get() if packed.device.type == "cpu" else None
     if ops is None or not hasattr(ops, "huge_copy") or not _switch_on(HUGE_PAGES_SWITCH):
         return packed
@@ -106,12 +111,16 @@ def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.view(p, k2, PANEL, 2).permute(0, 2, 1, 3).reshape(p * PANEL, 2 * k2)[:n, :k]
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
+def pack_panels(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
     """W [N, K] fp32 -> column panels [ceil(N/16), K, 16]: packed[p][k][j] = W[16p + j][k], zero padded
-    (csrc/packed_gemm_f32.cpp)."""
+    (csrc/packed_gemm_f32.cpp); cut from the arena's blocks when given."""
     ops = cpu_kernels.get() if w.device.type == "cpu" and w.dtype == torch.float32 else None
     if ops is not None and hasattr(ops, "pack_panels_f32"):
         # register transposes: cheaper at load than the permuted copy below
+        if arena is not None:
+            out = arena.empty((-(-w.shape[0] // PANEL), w.shape[1], PANEL), torch.float32)
+            ops.pack_panels_f32_into(w, out)
+            return out
         return ops.pack_panels_f32(w, _switch_on(HUGE_PAGES_SWITCH))
     n, k = w.shape
     p = -(-n // PANEL)
@@ -120,14 +129,19 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
 
 
-def pack_panels_exact(w: torch.Tensor) -> torch.Tensor:
+def pack_panels_exact(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
     """Column panels of W [N, K] fp32, in bf16 when every value of W is exactly a bf16 (bit-identical
-    products, half the bytes) and the kernels can build them, else in fp32."""
+    products, half the bytes) and the kernels can build them, else in fp32; cut from the arena's blocks
+    when given."""
     ops = cpu_kernels.get() if w.device.type == "cpu" and w.dtype == torch.float32 else None
     if (ops is not None and hasattr(ops, "pack_panels_bf16") and _switch_on(BF16_PANELS_SWITCH)
             and ops.bf16_exact(w)):
+        if arena is not None:
+            out = arena.empty((-(-w.shape[0] // PANEL), w.shape[1], PANEL), torch.bfloat16)
+            ops.pack_panels_bf16_into(w, out)
+            return out
         return ops.pack_panels_bf16(w, _switch_on(HUGE_PAGES_SWITCH))
-    return pack_panels(w)
+    return pack_panels(w, arena)
 
 
 def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -169,10 +183,11 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     """y = x @ W^T + b for x [T, in]; W [out, in] as stored in the checkpoint (kept as given,
     so a tied LM head shares the embedding's storage), or repacked (fp32 in column panels, bf16
-    on AVX512_BF16 in pair panels; `weight` is then None and `rows` / `dense` read it back)."""
+    on AVX512_BF16 in pair panels; `weight` is then None and `rows` / `dense` read it back). arena: where
+    the panels go (a load's shared huge-page blocks, panel_arena.py), else a mapping or tensor of their own."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = False,
-                 use_gemv: bool | None = None, use_packed: bool | None = None):
+                 use_gemv: bool | None = None, use_packed: bool | None = None, arena: PanelArena | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
         if use_packed is None:
@@ -180,7 +195,7 @@ class Linear:
         self.packed = None
         self.panels = use_packed and weight.dtype == torch.float32  # fp32 column panels, else bf16 pairs
         if use_packed:
-            self.packed = pack_panels_exact(weight) if self.panels else pack_pairs(weight)
+            self.packed = pack_panels_exact(weight, arena) if self.panels else pack_pairs(weight, arena)
         self._row_offsets = None  # rows(): where each input column of a row lies in the packed layout
         self._lane_pos = None  # rows() of bf16 panels: where each of a panel's 16 columns lies in a k step
         self.weight = None if use_packed else (weight if weight.is_contiguous() else weight.contiguous())

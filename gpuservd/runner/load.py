@@ -24,7 +24,9 @@ import torch
 from safetensors import safe_open
 
 from gpuservd.errors import StoreCorrupt
-from gpuservd.runner.linear import Linear, onednn_available
+from gpuservd.runner import panel_arena
+from gpuservd.runner.linear import Linear, onednn_available, packed_enabled
+from gpuservd.runner.panel_arena import PanelArena
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.model_weights import LayerGate, LayerWeights, ModelWeights
 from gpuservd.runner.pipeline import GroupReader
@@ -228,18 +230,45 @@ def outside_groups(reader, arch: ModelArch) -> tuple[dict[str, tuple[str, ...]],
     return groups, tied
 
 
-def load_layer(up: Upload, arch: ModelArch, i: int, dtype, onednn: bool) -> LayerWeights:
-    """Read and fuse one decoder layer (its copies may still be in flight on CUDA: `up.wait()`)."""
+def load_layer(up: Upload, arch: ModelArch, i: int, dtype, onednn: bool,
+               arena: PanelArena | None = None) -> LayerWeights:
+    """Read and fuse one decoder layer (its copies may still be in flight on CUDA: `up.wait()`). arena:
+    where its packed weights go (the load's shared huge-page blocks)."""
     g = layer_groups(arch, i)
     bias = up.tensor(g["qkv_bias"], dtype) if "qkv_bias" in g else None
     return LayerWeights(
         input_norm=up.tensor(g["input_norm"], dtype),
-        qkv=Linear(up.tensor(g["qkv"], dtype), bias, onednn),
-        o_proj=Linear(up.tensor(g["o_proj"], dtype), None, onednn),
+        qkv=Linear(up.tensor(g["qkv"], dtype), bias, onednn, arena=arena),
+        o_proj=Linear(up.tensor(g["o_proj"], dtype), None, onednn, arena=arena),
         post_norm=up.tensor(g["post_norm"], dtype),
-        gate_up=Linear(up.tensor(g["gate_up"], dtype), None, onednn),
-        down=Linear(up.tensor(g["down"], dtype), None, onednn),
+        gate_up=Linear(up.tensor(g["gate_up"], dtype), None, onednn, arena=arena),
+        down=Linear(up.tensor(g["down"], dtype), None, onednn, arena=arena),
     )
+
+
+def layer_panel_bytes(source, arch: ModelArch, dtype: torch.dtype) -> int:
+    """What the layers' packed weights take in a load's arena (panel_arena.py), from the tensor shapes; an
+    upper bound (fp32 panels of a bf16-exact weight come out half this)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for i in range(arch.num_layers):
+        for what, names in layer_groups(arch, i).items():
+            if what in ("qkv", "o_proj", "gate_up", "down"):
+                total += panel_arena.panel_bytes(sum(source.shape(n)[0] for n in names), source.shape(names[0])[1], elem)
+    return total
+
+
+def _layer_arena(reader, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> PanelArena | None:
+    """Where a CPU load puts its layers' packed weights: side by side on 2 MB pages (panel_arena.py). The
+    LM head, large enough to be on them in a mapping of its own, stays out. Only the load's closures hold
+    the arena: when the load ends it goes, and its blocks live as long as the tensors cut from them."""
+    if device.type != "cpu" or not packed_enabled(device, dtype):
+        return None
+    try:  # a source without shapes (or missing a tensor, which the load then reports) reserves nothing
+        reserve = layer_panel_bytes(reader, arch, dtype) if hasattr(reader, "shape") else 0
+    except (KeyError, IndexError):
+        reserve = 0
+    return panel_arena.for_load(reserve)
 
 
 def expected_bytes(source, dtype: torch.dtype) -> int:
@@ -322,8 +351,7 @@ def load_weights(
     and events). pipeline: a source that reads from the disk (read_group) is read on a reader thread
     ahead of the loader (pipeline.py); False reads each tensor where it is placed (the reference the
     tests compare the pipeline with); None: on unless GPUSERV_LOAD_PIPELINE=0."""
-    if onednn is None:
-        onednn = onednn_available(device, dtype)
+    onednn = onednn_available(device, dtype) if onednn is None else onednn
     reader = SafetensorsReader(source) if isinstance(source, (str, Path)) else source
     up = Upload(reader, device)
     n = arch.num_layers
@@ -335,6 +363,7 @@ def load_weights(
     if pipeline and hasattr(reader, "read_group"):
         reads = _group_reader(reader, arch, outside, device)
         prefetch = None  # the reader thread asks for each group's bytes ahead of its own reads
+    arena = _layer_arena(reader, arch, dtype, device)
     by_layer: list[list[str]] = []
     if prefetch is not None:
         by_layer, others = _layer_names(reader, n)
@@ -349,7 +378,7 @@ def load_weights(
         if prefetch is not None and i + READ_AHEAD_LAYERS < n:
             prefetch(by_layer[i + READ_AHEAD_LAYERS])
         take()
-        lw = load_layer(up, arch, i, dtype, onednn)
+        lw = load_layer(up, arch, i, dtype, onednn, arena)
         up.wait()
         if on_layer is not None:
             on_layer(i, time.perf_counter() - t0)
