@@ -10,78 +10,147 @@ using ItemFn_bf16_t = void (*)(const Item&, const at::BFloat16*, const at::BFloa
 
 #if GPUSERV_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define GPUSERV_ATTN_DP 1
-// bf16 on a CPU with AVX512_BF16: scores with vdpbf16ps straight from the bf16 query and K row
-// (DZ / 2 instructions per query head and token instead of DZ widening loads and 2 * DZ fp32 FMAs,
-// then one reduction; the scale is applied to the fp32 score, so the products stay exact), and
-// the weighted V sum with 512-bit FMAs on V widened 16 lanes at a time, J registers per pass.
-// DZ = D / 16 (4 for head_dim 64, 8 for 128); G * J accumulators.
-inline __m512 widen16(const at::BFloat16* p) { return gpuserv_simd::load16(p); }
+// bf16 on a CPU with AVX512_BF16. Scores with vdpbf16ps straight from the bf16 query and K row (DZ / 2
+// instructions per query head and token instead of DZ widening loads and 2 * DZ fp32 FMAs; the scale is
+// applied to the fp32 score, so the products stay exact), then the softmax of the item's scores, then the
+// weighted V sum in fp32 FMAs. DZ = D / 16 (4 for head_dim 64, 8 for 128).
+//
+// Measured on a 2-core Zen 4 (SmolLM2's shape, 8 x 480 and 48 x 64, one thread, KV out of L3): the item
+// used to take about its arithmetic time plus the time of a pure read of its bytes, one after the other.
+// Most of that was waiting on DRAM at item starts and behind short runs, which the thread's Prefetcher
+// (attention_item.h) now hides; the rest was arithmetic that did not need to be there:
+// - a score was summed by its own 16-lane reduction (~8 instructions per query head and token); now four
+//   tokens' dot products are folded to 4 lanes each and summed together after a 4 x 4 transpose;
+// - the softmax's max was a scalar loop (a serial vmaxss chain, ~10% of the item); now 16 lanes at a time;
+// every sum keeps its order, so the outputs are bit for bit the previous item's (SmolLM2's bf16 logits
+// against transformers' sit close to test_bf16_kernels' bound, and a changed rounding crossed it);
+// - V was widened with a shift per 16 values; now one 64-byte load gives 32 values as even dims
+//   (shifted) and odd dims (masked), summed in separate accumulators and interleaved once at the end.
+// V is summed a 16-token group at a time for every head, so each V row is consumed from L1 once, in the
+// order the Prefetcher streams it; the running sums live in it.acc between groups.
+// Scores of S query heads (q: S heads, qstride apart) against 4 K rows: out[g * stride + r] = q[g] . kr[r] * scale.
+template <int S, int DP>
+inline __attribute__((always_inline)) void dp_scores4(const at::BFloat16* q, int64_t qstride, const at::BFloat16* const* kr,
+                                                      float scale, float* out, int64_t stride) {
+  __m512bh qv[S][DP];
+  for (int g = 0; g < S; ++g)
+    for (int c = 0; c < DP; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * qstride + 32 * c);
+  __m128 f[S][4];
+  for (int r = 0; r < 4; ++r) {
+    __m512bh kz[DP];
+    for (int c = 0; c < DP; ++c) kz[c] = (__m512bh)_mm512_loadu_si512(kr[r] + 32 * c);
+    for (int g = 0; g < S; ++g) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kz[0]);
+      for (int c = 1; c < DP; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kz[c]);
+      // (extractf32x8 needs AVX512DQ)
+      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+      f[g][r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
+  }
+  // The 4 lanes x0..x3 of each row's sum, transposed, and added as _mm512_reduce_add_ps adds them,
+  // (x0 + x2) + (x1 + x3): the scores are then bit for bit those of a reduction per token.
+  const __m128 vs = _mm_set1_ps(scale);
+  for (int g = 0; g < S; ++g) {
+    __m128 c0 = f[g][0], c1 = f[g][1], c2 = f[g][2], c3 = f[g][3];
+    _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+    _mm_storeu_ps(out + g * stride, _mm_mul_ps(_mm_add_ps(_mm_add_ps(c0, c2), _mm_add_ps(c1, c3)), vs));
+  }
+}
 
-template <int G, int DZ, int J>
+// dp_scores4 for the G query heads of a KV head, 3 at a time (within the 32 vector registers).
+template <int G, int DP, int S0 = 0>
+inline __attribute__((always_inline)) void dp_scores4_heads(const at::BFloat16* q, int64_t qstride,
+                                                            const at::BFloat16* const* kr, float scale, float* out,
+                                                            int64_t stride) {
+  if constexpr (S0 < G) {
+    constexpr int S = G - S0 < 3 ? G - S0 : 3;
+    dp_scores4<S, DP>(q + S0 * qstride, qstride, kr, scale, out + S0 * stride, stride);
+    dp_scores4_heads<G, DP, S0 + S>(q, qstride, kr, scale, out, stride);
+  }
+}
+
+// Floats a head's scores take in the item's scratch: n, room for the 4-token stores past a run's end, and a
+// multiple of 16 for the softmax's vectors.
+inline int64_t dp_scores_stride(int64_t n) { return (n + 3 + 15) & ~int64_t(15); }
+
+// The max of n scores, 16 at a time (a scalar loop was a serial vmaxss chain, ~10% of the item).
+inline float max_row16(const float* s, int64_t n) {
+  const int64_t nv = (n + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - 16 * (nv - 1))) - 1);
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i + 1 < nv; ++i) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + 16 * i));
+  mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_loadu_ps(s + 16 * (nv - 1)));
+  return _mm512_reduce_max_ps(mv);
+}
+
+// The item; JP: V tiles of 32 * JP dims (G * 2 * JP accumulators). scores: [H, dp_scores_stride(n)].
+template <int G, int DZ, int JP>
 void attend_item_dp(const Item& it, const at::BFloat16* k, const at::BFloat16* v, const Shape& sh, float* scores) {
-  static_assert(DZ % 2 == 0 && DZ % J == 0, "D must be a multiple of 32 and of the tile");
+  static_assert(DZ % 2 == 0 && (DZ / 2) % JP == 0, "D must be a multiple of 32 and of the tile");
   constexpr int DP = DZ / 2;  // 32 bf16 per dot-product step
-  const int64_t n = it.t1 - it.t0, D = sh.D, KVH = sh.kv_heads;
+  const int64_t n = it.t1 - it.t0, D = sh.D, KVH = sh.kv_heads, rs = sh.row_stride;
+  const int64_t ns = dp_scores_stride(n);
+  const int64_t row_bytes = rs * int64_t(sizeof(at::BFloat16));
   const auto* q = static_cast<const at::BFloat16*>(it.qraw);
-  // K is prefetched kAheadTokens ahead of the scoring (one block ahead left the DRAM pipe half empty:
-  // a run of 16 tokens is scored in less time than its 6 KB take to arrive), V run by run for the
-  // second pass.
-  constexpr int64_t kAheadTokens = 48;
-  auto prefetch_tokens = [&](const at::BFloat16* base, int64_t from, int64_t to) {
-    for_each_run(it.table, sh.block_size, from, to,
-                 [&](int64_t row, int64_t count) { prefetch_rows(base, row, count, sh.row_stride); });
-  };
-  int64_t k_ahead = std::min(it.t1, it.t0 + kAheadTokens);
-  prefetch_tokens(k, it.t0, k_ahead);
+  const int64_t qstride = it.qraw_head_stride;
   int64_t i0 = 0;
   for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
-    const int64_t want = std::min(it.t1, it.t0 + i0 + count + kAheadTokens);
-    if (want > k_ahead) {
-      prefetch_tokens(k, k_ahead, want);
-      k_ahead = want;
-    }
-    prefetch_rows(v, row, count, sh.row_stride);
-    for (int64_t h = 0; h < KVH; ++h) {
-      __m512bh qv[G][DP];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < DP; ++c)
-          qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * it.qraw_head_stride + 32 * c);
-      float* sc = scores + h * G * n + i0;
-      for (int64_t r = 0; r < count; ++r) {
-        const at::BFloat16* kr = k + (row + r) * sh.row_stride + h * D;
-        __m512bh kz[DP];
-        for (int c = 0; c < DP; ++c) kz[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
-        for (int g = 0; g < G; ++g) {
-          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kz[0]);
-          for (int c = 1; c < DP; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kz[c]);
-          sc[g * n + r] = _mm512_reduce_add_ps(a) * it.scale;
-        }
+    for (int64_t r0 = 0; r0 < count; r0 += 4) {
+      for (int64_t h = 0; h < KVH; ++h) {
+        const at::BFloat16* kr[4];
+        for (int r = 0; r < 4; ++r) kr[r] = k + (row + std::min<int64_t>(r0 + r, count - 1)) * rs + h * D;
+        // Lanes past the run land on the next run's first scores (rewritten by it) or in the padding.
+        dp_scores4_heads<G, DP>(q + h * G * qstride, qstride, kr, it.scale, scores + h * G * ns + i0 + r0, ns);
       }
     }
     i0 += count;
+    if (it.pf) it.pf->consume(count * row_bytes);
   });
-  softmax_rows(scores, KVH * G, n, it.m, it.l);
-  for (int64_t h = 0; h < KVH; ++h) {
-    const float* p = scores + h * G * n;
-    for (int64_t c0 = 0; c0 < D; c0 += 16 * J) {
-      __m512 a[G][J];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < J; ++j) a[g][j] = _mm512_setzero_ps();
-      int64_t i = 0;
-      for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
-        for (int64_t r = 0; r < count; ++r, ++i) {
-          const at::BFloat16* vr = v + (row + r) * sh.row_stride + h * D + c0;
-          __m512 vv[J];
-          for (int j = 0; j < J; ++j) vv[j] = widen16(vr + 16 * j);
-          for (int g = 0; g < G; ++g) {
-            const __m512 pg = _mm512_set1_ps(p[g * n + i]);
-            for (int j = 0; j < J; ++j) a[g][j] = _mm512_fmadd_ps(pg, vv[j], a[g][j]);
+  for (int64_t hq = 0; hq < KVH * G; ++hq) {  // exp_sub_rows as before: the same numerators and sums
+    it.m[hq] = max_row16(scores + hq * ns, n);
+    it.l[hq] = exp_sub_rows(scores + hq * ns, n, it.m[hq]);
+  }
+  // it.acc holds each head's running sums with dims in even / odd order per 32 until the end.
+  std::fill(it.acc, it.acc + KVH * G * D, 0.f);
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t i = 0;
+  for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
+    for (int64_t r0 = 0; r0 < count; r0 += 16) {
+      const int64_t r1 = std::min<int64_t>(count, r0 + 16);
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* p = scores + h * G * ns + i;
+        for (int64_t c0 = 0; c0 < D; c0 += 32 * JP) {
+          __m512 a[G][2 * JP];
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < 2 * JP; ++j) a[g][j] = _mm512_loadu_ps(it.acc + (h * G + g) * D + c0 + 16 * j);
+          for (int64_t r = r0; r < r1; ++r) {
+            const at::BFloat16* vr = v + (row + r) * rs + h * D + c0;
+            __m512 vv[2 * JP];
+            for (int j = 0; j < JP; ++j) {
+              const __m512i x = _mm512_loadu_si512(vr + 32 * j);
+              vv[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+              vv[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+            }
+            for (int g = 0; g < G; ++g) {
+              const __m512 pg = _mm512_set1_ps(p[g * ns + r]);
+              for (int j = 0; j < 2 * JP; ++j) a[g][j] = _mm512_fmadd_ps(pg, vv[j], a[g][j]);
+            }
           }
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < 2 * JP; ++j) _mm512_storeu_ps(it.acc + (h * G + g) * D + c0 + 16 * j, a[g][j]);
         }
-      });
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < J; ++j) _mm512_storeu_ps(it.acc + (h * G + g) * D + c0 + 16 * j, a[g][j]);
+      }
+      if (it.pf) it.pf->consume((r1 - r0) * row_bytes);
     }
+    i += count;
+  });
+  // Even / odd halves back to dim order: dims 2i and 2i + 1 of each 32 from lane i of either half.
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t c = 0; c < KVH * G * D; c += 32) {
+    const __m512 ev = _mm512_loadu_ps(it.acc + c), od = _mm512_loadu_ps(it.acc + c + 16);
+    _mm512_storeu_ps(it.acc + c, _mm512_permutex2var_ps(ev, lo, od));
+    _mm512_storeu_ps(it.acc + c + 16, _mm512_permutex2var_ps(ev, hi, od));
   }
 }
 
@@ -90,27 +159,27 @@ ItemFn_bf16_t pick_dp(int64_t group, int64_t D) {
   if (!gpuserv_simd::cpu_avx512bf16()) return nullptr;
   if (D == 64) {
     switch (group) {
-      case 1: return attend_item_dp<1, 4, 4>;
-      case 2: return attend_item_dp<2, 4, 4>;
-      case 3: return attend_item_dp<3, 4, 4>;
-      case 4: return attend_item_dp<4, 4, 4>;
-      case 5: return attend_item_dp<5, 4, 4>;
-      case 6: return attend_item_dp<6, 4, 2>;
-      case 7: return attend_item_dp<7, 4, 2>;
-      case 8: return attend_item_dp<8, 4, 2>;
+      case 1: return attend_item_dp<1, 4, 2>;
+      case 2: return attend_item_dp<2, 4, 2>;
+      case 3: return attend_item_dp<3, 4, 2>;
+      case 4: return attend_item_dp<4, 4, 2>;
+      case 5: return attend_item_dp<5, 4, 2>;
+      case 6: return attend_item_dp<6, 4, 1>;
+      case 7: return attend_item_dp<7, 4, 1>;
+      case 8: return attend_item_dp<8, 4, 1>;
       default: return nullptr;
     }
   }
   if (D == 128) {
     switch (group) {
-      case 1: return attend_item_dp<1, 8, 8>;
-      case 2: return attend_item_dp<2, 8, 8>;
-      case 3: return attend_item_dp<3, 8, 4>;
-      case 4: return attend_item_dp<4, 8, 4>;
-      case 5: return attend_item_dp<5, 8, 4>;
-      case 6: return attend_item_dp<6, 8, 2>;
-      case 7: return attend_item_dp<7, 8, 2>;
-      case 8: return attend_item_dp<8, 8, 2>;
+      case 1: return attend_item_dp<1, 8, 4>;
+      case 2: return attend_item_dp<2, 8, 4>;
+      case 3: return attend_item_dp<3, 8, 2>;
+      case 4: return attend_item_dp<4, 8, 2>;
+      case 5: return attend_item_dp<5, 8, 2>;
+      case 6: return attend_item_dp<6, 8, 1>;
+      case 7: return attend_item_dp<7, 8, 1>;
+      case 8: return attend_item_dp<8, 8, 1>;
       default: return nullptr;
     }
   }

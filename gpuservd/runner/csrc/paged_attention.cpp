@@ -13,7 +13,9 @@
 // fetch the lines of the heads it did not use (measured: no faster than the
 // gather path once the cache was out of L3). How an item reads its rows is the
 // item kind's (attention_f32.h: fp32 copies each step's rows in one sequential
-// pass; attention_item.h: bf16 / fp16 prefetch the next run). The `group` query heads that
+// pass; attention_dp.h: bf16 with AVX512_BF16 reads through a prefetch stream
+// over all of its thread's items, attention_item.h's Prefetcher; the AVX2
+// bf16 / fp16 item prefetches the next run). The `group` query heads that
 // share a KV head are computed together so each row is read once, and long
 // contexts are split into partitions (flash-decoding) so one sequence still
 // keeps every thread busy. Each item keeps its own softmax max / sum /
@@ -159,14 +161,39 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         while (t < nthreads && acc * nthreads >= total * t) split[t++] = it + 1;
       }
   }
+  auto item_seq = [&](int64_t it) {
+    return std::upper_bound(first_item.begin(), first_item.end(), it) - first_item.begin() - 1;
+  };
   at::parallel_for(0, nthreads, 1, [&](int64_t th0, int64_t th1) {
-    // Scores of an item ([H, part_len + 1]; the fp32 item's [H, kStep + 1]) and the fp32 item's row buffer.
-    std::vector<float> scores(H * (std::max(part_len, kStep) + 1) + f32_buffer_floats(sh.row_stride));
+    // Scores of an item ([H, part_len + 32]; the fp32 item's [H, kStep + 1]) and the fp32 item's row buffer.
+    std::vector<float> scores(H * (std::max(part_len, kStep) + 32) + f32_buffer_floats(sh.row_stride));
+#if GPUSERV_AVX2
+    // The bf16 dot-product item reads its rows through a prefetch stream over all of this thread's items.
+    std::vector<Prefetcher::Span> spans;
+    Prefetcher pf;
+    if (!need_qs) {
+      for (int64_t it = split[th0]; it < split[th1]; ++it) {
+        const int64_t b = item_seq(it);
+        const int64_t t0 = (it - first_item[b]) * part_len;
+        spans.push_back({tp + b * table_stride, t0, std::min<int64_t>(lp[b], t0 + part_len)});
+      }
+      pf.spans = spans.data();
+      pf.nspans = static_cast<int64_t>(spans.size());
+      pf.k = reinterpret_cast<const char*>(kp);
+      pf.v = reinterpret_cast<const char*>(vp);
+      pf.row_bytes = sh.row_stride * static_cast<int64_t>(sizeof(T));
+      pf.block_size = sh.block_size;
+      pf.start();
+    }
+    Prefetcher* const pfp = need_qs ? nullptr : &pf;
+#else
+    Prefetcher* const pfp = nullptr;
+#endif
     for (int64_t it = split[th0]; it < split[th1]; ++it) {
-      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), it) - first_item.begin() - 1;
+      const int64_t b = item_seq(it);
       const int64_t t0 = (it - first_item[b]) * part_len, t1 = std::min<int64_t>(lp[b], t0 + part_len);
       const Item item{need_qs ? &qs[b * H * D] : nullptr, tp + b * table_stride, t0, t1, &part_m[it * H], &part_l[it * H], &part_acc[it * H * D],
-                      qp + b * qs0, qs1, static_cast<float>(scale)};
+                      qp + b * qs0, qs1, static_cast<float>(scale), pfp};
       if (t1 <= t0) {  // empty context: contributes nothing
         std::fill(item.m, item.m + H, -std::numeric_limits<float>::infinity());
         std::fill(item.l, item.l + H, 0.f);
