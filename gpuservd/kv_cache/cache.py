@@ -10,12 +10,15 @@ partial-layer swap moves whole per-layer slabs.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from gpuservd.kv_cache.block_pool import BlockPool
+
+HUGE_PAGES_ENV = "GPUSERV_KV_HUGE_PAGES"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,15 @@ def _lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # cost ~1.5x a private page's (measured on a 2-core KVM guest: ~0.8 vs ~0.6 ms a MB of 4 KB pages),
     # and a decode step that moves into new blocks faults in 3 pages per block per layer for K and V.
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # 2 MB pages where the kernel's transparent huge pages allow (madvise mode): decode attention walks each
+    # sequence's 6 KB blocks scattered over a layer's GBs, and with 4 KB pages every block was a TLB miss or
+    # two (bf16 attention 1.1-1.2x a layer call with them, 8 x 480 and 48 x 64). A touched block then
+    # commits its whole 2 MB page, one fault instead of 512. GPUSERV_KV_HUGE_PAGES=0 keeps 4 KB pages.
+    if os.environ.get(HUGE_PAGES_ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out or disabled: ordinary pages
+            pass
     return torch.frombuffer(buf, dtype=dtype).view(dims)  # the tensor keeps the map alive
 
 
