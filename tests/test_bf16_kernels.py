@@ -162,10 +162,10 @@ def test_smollm2_bf16_logits_match_transformers_bf16(smollm2_dir):
     got = []
     try:
         batch = build_batch([SeqChunk(ids[:n_prompt], 0, blocks, True)], bs, torch.device("cpu"))
-        got.append(eng.runner.model.forward(batch, eng.runner.cache.layer)[0])
+        got.append(eng.runner.model.forward(batch, eng.runner.cache.layer)[0].clone())  # the runner reuses its buffer
         for pos in range(n_prompt, len(ids)):
             batch = build_batch([SeqChunk([ids[pos]], pos, blocks, True)], bs, torch.device("cpu"))
-            got.append(eng.runner.model.forward(batch, eng.runner.cache.layer)[0])
+            got.append(eng.runner.model.forward(batch, eng.runner.cache.layer)[0].clone())
     finally:
         eng.pool.free(blocks)
     for i, logits in enumerate(got):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from gpuservd.runner import cpu_kernels, gpu_kernels
 from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
+from gpuservd.runner.linear import OutputBuffer
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.rope import RopeTables, apply_rope
 from gpuservd.runner.linear import Linear
@@ -49,6 +50,9 @@ class LlamaModel:
             self._ops = cpu_kernels.get()
         else:
             self._ops = gpu_kernels.get(self.device, dtype)
+        # Where the LM head writes the logits step after step (linear.py OutputBuffer), or None: a new tensor
+        # each forward. ModelRunner sets one on the CPU; its logits are then valid until the next forward.
+        self.logits_out: OutputBuffer | None = None
         # Which fused layer steps run: "c++", "triton", or None (torch ops).
         self.kernels = None if self._ops is None else ("c++" if self.device.type == "cpu" else "triton")
         # Called between a layer's attention and its MLP (the halfway point of every layer): the sharing
@@ -142,7 +146,7 @@ class LlamaModel:
     def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits [S, V] for the rows in batch.logits_indices."""
         x = rms_norm(h.index_select(0, batch.logits_indices), self.weights.final_norm, self.arch.rms_norm_eps)
-        return self.weights.lm_head.fp32(x)
+        return self.weights.lm_head.fp32(x, self.logits_out)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_layers, suspend=None, resume: "LayerCheckpoint | None" = None):

@@ -15,6 +15,7 @@ from gpuservd.kv_cache.cache import KVCache, cache_shape
 from gpuservd.runner import cuda_graphs
 from gpuservd.runner.batch import SeqChunk, build_batch
 from gpuservd.runner.decode_step import DecodeStep
+from gpuservd.runner.linear import OutputBuffer
 from gpuservd.runner.llama import LlamaModel
 from gpuservd.runner.model_config import ModelArch, load_arch
 from gpuservd.runner.load import load_weights
@@ -75,6 +76,8 @@ class ModelRunner:
                                    self.device, initial_layers=initial_layers, on_layer=on_layer)
         self.weights = weights
         self.model = LlamaModel(self.arch, weights, self.max_model_len, self.dtype, self.device)
+        if self.device.type == "cpu":  # one logits buffer: execute()'s logits are valid until the next forward
+            self.model.logits_out = OutputBuffer(weights.lm_head.out_features)
         self.block_size = block_size
         shape = cache_shape(self.arch, block_size, self.dtype)
         if kv_cache_bytes is None:
@@ -165,10 +168,11 @@ class ModelRunner:
                 "last_step": step.last_path if step is not None else "eager"}
 
     def execute(self, chunks: list[SeqChunk], suspend=None, sources=None):
-        """One forward over the chunks; logits [S, V] (fp32) for the chunks with sample=True, in order,
-        or a LayerCheckpoint if suspend(layer) asked to stop between layers (see resume()). Decode-only
-        steps go through the fixed-shape step where it is on, which returns a DecodeResult; sources[i]
-        >= 0 there: chunk i's token is the one the previous step chose in that row, not read yet."""
+        """One forward over the chunks; logits [S, V] (fp32; on the CPU valid until the next forward) for
+        the chunks with sample=True, in order, or a LayerCheckpoint if suspend(layer) asked to stop between
+        layers (see resume()). Decode-only steps go through the fixed-shape step where it is on, which
+        returns a DecodeResult; sources[i] >= 0 there: chunk i's token is the one the previous step chose in
+        that row, not read yet."""
         step = self.decode_step
         if step is not None and step.takes(chunks):
             graphs = step.graphs

@@ -168,8 +168,9 @@ void panels(int64_t p0, int64_t p1, int64_t M, const int32_t* xp, int64_t ldx2, 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in the pair-panel layout, [ceil(N/16), ceil(K/2), 32].
 // fp32_out: y in fp32, the accumulators unrounded (the LM head: logits without a bf16 rounding,
 // which turned near-ties between tokens into exact ties).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const std::optional<at::Tensor>& bias, bool fp32_out) {
+// into: where to write y (packed_linear_out: a buffer reused step after step), else a new tensor.
+at::Tensor packed_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const std::optional<at::Tensor>& bias, bool fp32_out, const at::Tensor* into) {
   TORCH_CHECK(packed_available(), "packed_linear: this CPU or build has no AVX512_BF16");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
@@ -185,7 +186,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N &&
                     bias->scalar_type() == at::kBFloat16,
                 "packed_linear: bias must be a contiguous bf16 [", N, "]");
-  auto y = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  const auto y_type = fp32_out ? at::kFloat : at::kBFloat16;
+  if (into)
+    TORCH_CHECK(into->device().is_cpu() && into->scalar_type() == y_type && into->is_contiguous() &&
+                    into->sizes() == at::IntArrayRef({M, N}),
+                "packed_linear_out: out must be a contiguous ", y_type, " [", M, ", ", N, "]");
+  auto y = into ? *into : at::empty({M, N}, x.options().dtype(y_type));
   if (M == 0) return y;
 #if GPUSERV_PACKED
   // x's rows as int32 pairs: an odd width (or an odd row stride) is copied to an even one, zero padded.
@@ -210,11 +216,25 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool fp32_out) {
+  return packed_linear_into(x, packed, N, bias, fp32_out, nullptr);
+}
+
+void packed_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const std::optional<at::Tensor>& bias, bool fp32_out, const at::Tensor& out) {
+  packed_linear_into(x, packed, N, bias, fp32_out, &out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpuserv, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("packed_linear_out(Tensor x, Tensor packed, int n, Tensor? bias, bool fp32_out, Tensor(a!) out) -> ()");
   m.def("packed_available() -> bool", &packed_available);
 }
 
-TORCH_LIBRARY_IMPL(gpuserv, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(gpuserv, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_out", &packed_linear_out);
+}

@@ -357,8 +357,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in column panels [ceil(N/16), K, 16], fp32 or
 // (a bf16-exact W, from pack_panels_bf16) bf16 halves.
 // tile_rows: the register tile's height (0: this build's own; 1-12 for tests of every tile).
-at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                             const std::optional<at::Tensor>& bias, int64_t tile_rows) {
+// into: where to write y (packed_linear_f32_out: a buffer reused step after step), else a new tensor.
+at::Tensor packed_linear_f32_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                  const std::optional<at::Tensor>& bias, int64_t tile_rows, const at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear_f32: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat &&
                   (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
@@ -374,8 +375,12 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int6
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->is_contiguous() && bias->size(0) == N && bias->scalar_type() == at::kFloat,
                 "packed_linear_f32: bias must be a contiguous fp32 [", N, "]");
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || K == 0) return K == 0 && M ? (has_bias ? bias->expand({M, N}).clone() : y.zero_()) : y;
+  if (into)
+    TORCH_CHECK(into->device().is_cpu() && into->scalar_type() == at::kFloat && into->is_contiguous() &&
+                    into->sizes() == at::IntArrayRef({M, N}),
+                "packed_linear_f32_out: out must be a contiguous fp32 [", M, ", ", N, "]");
+  auto y = into ? *into : at::empty({M, N}, x.options());
+  if (M == 0 || K == 0) return K == 0 && M ? (has_bias ? y.copy_(bias->expand({M, N})) : y.zero_()) : y;
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   const int mr = tile_rows ? static_cast<int>(tile_rows) : kMr;
   if (packed.scalar_type() == at::kFloat)
@@ -385,13 +390,25 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int6
   return y;
 }
 
+at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                             const std::optional<at::Tensor>& bias, int64_t tile_rows) {
+  return packed_linear_f32_into(x, packed, N, bias, tile_rows, nullptr);
+}
+
+void packed_linear_f32_out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  packed_linear_f32_into(x, packed, N, bias, 0, &out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpuserv, m) {
   m.def("packed_linear_f32(Tensor x, Tensor packed, int n, Tensor? bias, int tile_rows=0) -> Tensor");
+  m.def("packed_linear_f32_out(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("packed_f32_available() -> bool", &packed_f32_available);
 }
 
 TORCH_LIBRARY_IMPL(gpuserv, CPU, m) {
   m.impl("packed_linear_f32", &packed_linear_f32);
+  m.impl("packed_linear_f32_out", &packed_linear_f32_out);
 }
