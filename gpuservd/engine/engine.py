@@ -92,9 +92,8 @@ class LLMEngine:
         # is waiting to be added (the daemon's loop and the bench set it; it must be cheap).
         self.interrupt = None
         self._yield_point = None
-        # () -> True while no other model shares the device (the arbiter handle's `alone`): a step then
-        # calls no yield point (nobody to yield to), and a CPU forward may run all its layers in one op.
-        # None: a set yield point is always called.
+        # () -> True while no model shares the device (the arbiter handle's): a step then calls no yield
+        # point and a CPU forward may run its layers in one op. None: a set yield point always runs.
         self.device_alone = None
         self._suspended: _Suspended | None = None
         self._carried: list[RequestOutput] = []  # outputs of a suspended forward finished by an abort
@@ -314,9 +313,7 @@ class LLMEngine:
     def _layer_hook(self, sched: SchedulerOutput | None):
         """What the forward calls after each layer: the arbiter's yield point, then the suspend check."""
         check = self._suspend_check(sched) if sched is not None else None
-        yield_point = self._yield_point
-        if yield_point is not None and self.device_alone is not None and self.device_alone():
-            yield_point = None
+        yield_point = None if self.device_alone is not None and self.device_alone() else self._yield_point
         self.runner.model.mid_layer = yield_point  # the halfway point of each layer, for this forward
         if yield_point is None:
             return check

@@ -12,12 +12,10 @@ next holder is picked by weighted fairness: the smallest virtual time, where a
 model's virtual time advances by its run time divided by its share. A holder
 alone in its group keeps the group without switching.
 
-Priority. A latency-critical model that has used no more than its share
-over the last ~5 s (an exponentially decayed average) goes first: it is picked
-before best-effort models and it cuts a best-effort holder's quantum short at
-the holder's next layer boundary, so it waits at most one layer of the other
-model, not a whole step. Above its share it takes turns like everyone else, so
-a best-effort model is never starved below its share.
+Priority. A latency-critical model that has used no more than its share over the last ~5 s (an exponentially
+decayed average) goes first: it is picked before best-effort models and it cuts a best-effort holder's quantum
+short at the holder's next layer boundary, so it waits at most one layer of the other model, not a whole step.
+Above its share it takes turns like everyone else, so a best-effort model is never starved below its share.
 
 Bandwidth priority. Memory bandwidth is shared even between partitions
 (and between a CPU's cores). Every `throttle.interval_ms` the controller looks
@@ -35,14 +33,13 @@ raised by `throttle.increase` (AIMD, as TCP does). A best-effort model at duty d
 model with no target yet (no step of it ran alone: a neighbour always runs)
 counts as pressure until it has one: the neighbours are held back so it can.
 
-Switching cost. Each handoff is timed from the release to the moment the next
-holder's thread runs (`switch_s` in the `time_slice` event, one per handoff; a
-model alone that goes idle switches nothing and emits none); the share of
-contended time spent switching is `overhead_share` in `status()` and feeds the
+Switching cost. Each handoff is timed from the release to the moment the next holder's thread runs
+(`switch_s` in the `time_slice` event, one per handoff; a model alone that goes idle switches nothing and
+emits none); the share of contended time spent switching is `overhead_share` in `status()` and feeds the
 `timeslice_overhead` hint.
 
-The arbiter holds one lock; the per-layer check takes it only when another model
-of the group is waiting, so a model alone pays a dict lookup per layer.
+The arbiter holds one lock; the per-layer check takes it only when another model of the group is waiting,
+and a model alone in its group makes none (its engine asks `alone()` each step).
 """
 
 from __future__ import annotations
@@ -486,8 +483,7 @@ class ArbiterHandle:
         self.arbiter._between_layers(self.share)
 
     def alone(self) -> bool:
-        """No other model is registered in this model's group: nobody to yield the device to (asked at each
-        step; a model that registers during a step waits for that step's end)."""
+        """No other model in this one's group: nobody to yield to (asked each step; a newcomer waits for it)."""
         m = self.share
         return not any(x is not m and x.group == m.group for x in list(self.arbiter._models.values()))
 
