@@ -112,6 +112,21 @@ def instrument(eng: LLMEngine, layers: bool = True) -> None:
     mr.build_batch = timed(mr.build_batch, "build_batch")
 
 
+def timed_steps(step, steps: int) -> tuple[list[float], float, float]:
+    """Run step() `steps` times with the section records cleared first: each call's seconds, then the
+    process CPU seconds (every thread's, the team's spinning included) and minor faults per call."""
+    CALLS.clear()
+    CPU.clear()
+    FAULTS.clear()
+    f0, cpu0 = minflt(), time.process_time()
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t)
+    return ts, (time.process_time() - cpu0) / steps, (minflt() - f0) / steps
+
+
 def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: int) -> None:
     random.seed(nb * 1000 + prompt)
     ids = [f"p{nb}-{prompt}-{i}" for i in range(nb)]
@@ -120,17 +135,7 @@ def run_case(eng: LLMEngine, nb: int, prompt: int, temperature: float, steps: in
                         SamplingParams(max_tokens=steps + 40, ignore_eos=True, temperature=temperature))
     for _ in range(8 + nb * prompt // 128):  # the prompts (chunked prefill) and a few decode steps
         eng.step()
-    CALLS.clear()
-    CPU.clear()
-    FAULTS.clear()
-    f0, cpu0 = minflt(), time.process_time()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        ts.append(time.perf_counter() - t)
-    faults = (minflt() - f0) / steps
-    cpu = (time.process_time() - cpu0) / steps  # every thread's, the team's spinning included
+    ts, cpu, faults = timed_steps(eng.step, steps)
     for rid in ids:
         if rid in eng.requests:
             eng.abort(rid)
@@ -164,17 +169,8 @@ def run_mixed(eng: LLMEngine, dec: int, pf: int, k: int, steps: int) -> None:
     chunks = mixed_chunks(dec, pf, k, runner.block_size)
     for _ in range(3):
         runner.execute(chunks)
-    CALLS.clear()
-    CPU.clear()
-    FAULTS.clear()
-    f0, cpu0 = minflt(), time.process_time()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        runner.execute(chunks)
-        ts.append(time.perf_counter() - t)
-    report(f"{dec} decode rows + {pf} prompt tokens in {k} chunks", ts, (time.process_time() - cpu0) / steps,
-           (minflt() - f0) / steps, steps)
+    ts, cpu, faults = timed_steps(lambda: runner.execute(chunks), steps)
+    report(f"{dec} decode rows + {pf} prompt tokens in {k} chunks", ts, cpu, faults, steps)
 
 
 def report(title: str, ts: list[float], cpu: float, faults: float, steps: int) -> None:
