@@ -48,13 +48,12 @@ CUDA keep the dense layout.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from gpuservd.runner import cpu_kernels
-from gpuservd.runner.panel_arena import HUGE_PAGES_SWITCH, PanelArena
+# HUGE_PAGES_SWITCH is re-exported: tests and scripts name it from here, with the other switches.
+from gpuservd.runner.panel_arena import HUGE_PAGES_SWITCH, PanelArena, huge_pages_on, switch_on  # noqa: F401
 
 # oneDNN builds and caches one kernel per distinct row count. Rows above EXACT_ROWS
 # (prefill chunks) are padded up to a multiple of ROW_BUCKET, so a long-running
@@ -98,11 +97,10 @@ def pack_pairs(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor
         out = arena.empty((p, k2, 2 * PANEL), w.dtype)
         out.view(p, k2, PANEL, 2).copy_(pairs)  # permuted straight into place
         return out
-    packed = pairs.contiguous().view(p, k2, 2 * PANEL)
-    ops = cpu_kernels.get() if packed.device.type == "cpu" else None
-    if ops is None or not hasattr(ops, "huge_copy") or not _switch_on(HUGE_PAGES_SWITCH):
-        return packed
-    return ops.huge_copy(packed)
+    ops = cpu_kernels.get() if w.device.type == "cpu" else None
+    if ops is None or not hasattr(ops, "huge_copy") or not huge_pages_on():
+        return pairs.contiguous().view(p, k2, 2 * PANEL)
+    return ops.huge_copy(pairs).view(p, k2, 2 * PANEL)  # the permuted view copied once, into place
 
 
 def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -121,7 +119,7 @@ def pack_panels(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tenso
             out = arena.empty((-(-w.shape[0] // PANEL), w.shape[1], PANEL), torch.float32)
             ops.pack_panels_f32_into(w, out)
             return out
-        return ops.pack_panels_f32(w, _switch_on(HUGE_PAGES_SWITCH))
+        return ops.pack_panels_f32(w, huge_pages_on())
     n, k = w.shape
     p = -(-n // PANEL)
     if n % PANEL:
@@ -134,13 +132,13 @@ def pack_panels_exact(w: torch.Tensor, arena: PanelArena | None = None) -> torch
     products, half the bytes) and the kernels can build them, else in fp32; cut from the arena's blocks
     when given."""
     ops = cpu_kernels.get() if w.device.type == "cpu" and w.dtype == torch.float32 else None
-    if (ops is not None and hasattr(ops, "pack_panels_bf16") and _switch_on(BF16_PANELS_SWITCH)
+    if (ops is not None and hasattr(ops, "pack_panels_bf16") and switch_on(BF16_PANELS_SWITCH)
             and ops.bf16_exact(w)):
         if arena is not None:
             out = arena.empty((-(-w.shape[0] // PANEL), w.shape[1], PANEL), torch.bfloat16)
             ops.pack_panels_bf16_into(w, out)
             return out
-        return ops.pack_panels_bf16(w, _switch_on(HUGE_PAGES_SWITCH))
+        return ops.pack_panels_bf16(w, huge_pages_on())
     return pack_panels(w, arena)
 
 
@@ -152,16 +150,12 @@ def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(p * PANEL, k)[:n]
 
 
-def _switch_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def packed_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of this dtype on this device are held packed: bf16 in pair panels (a CPU with
     AVX512_BF16), fp32 in column panels (a CPU with AVX2 and FMA)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
-    if not _switch_on(PACKED_SWITCH):
+    if not switch_on(PACKED_SWITCH):
         return False
     ops = cpu_kernels.get()
     if ops is None:
@@ -274,18 +268,19 @@ class Linear:
         """y in fp32, for the LM head's logits: the packed bf16 kernel returns its fp32 accumulators
         unrounded (a bf16 rounding of SmolLM2's logits turned a 0.08 lead into an exact tie). out: the
         packed kernels write y into its rows (valid until the next call with it), else a new tensor."""
-        y = out.rows(x.shape[0]) if out is not None and self.packed is not None and x.dim() == 2 else None
-        if self.packed is not None and x.dim() == 2:
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            if not self.panels:
-                if y is None:
-                    return self._ops.packed_linear(x, self.packed, self.out_features, self.bias, True)
-                self._ops.packed_linear_out(x, self.packed, self.out_features, self.bias, True, y)
-                return y
-            if y is not None:
-                self._ops.packed_linear_f32_out(x, self.packed, self.out_features, self.bias, y)
-                return y
-        return self(x).float()
+        if self.packed is None or x.dim() != 2:
+            return self(x).float()
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        y = out.rows(x.shape[0]) if out is not None else None
+        if y is None and self.panels:
+            return self(x)  # column panels give fp32 already
+        if y is None:
+            return self._ops.packed_linear(x, self.packed, self.out_features, self.bias, True)
+        if self.panels:
+            self._ops.packed_linear_f32_out(x, self.packed, self.out_features, self.bias, y)
+        else:
+            self._ops.packed_linear_out(x, self.packed, self.out_features, self.bias, True, y)
+        return y
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from gpuservd.runner import cpu_kernels, gpu_kernels
 from gpuservd.runner.attention import paged_attention
 from gpuservd.runner.batch import ForwardBatch
-from gpuservd.runner.linear import OutputBuffer
+from gpuservd.runner.linear import Linear, OutputBuffer
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.rope import RopeTables, apply_rope
-from gpuservd.runner.linear import Linear
 from gpuservd.runner.model_weights import LayerWeights, ModelWeights
 
 STACK_ENV = "GPUSERV_CPU_STACK"
@@ -114,7 +113,7 @@ class LlamaModel:
         """decoder_stack's per-layer lists when this forward can run all its layers in that one op, else None:
         it needs the C++ kernels, every row attending in the paged kernel, every layer loaded, no call between
         layers (the arbiter's halfway point: runner.model.mid_layer) and every linear a plain packed Linear of one
-        layout (a variant's adapters, int8 weights and the unpacked paths take the layer loop)."""
+        layout (a variant's adapters and the unpacked paths take the layer loop)."""
         if not self.stack_enabled or self._ops is None or batch.num_kernel_rows != batch.input_ids.shape[0]:
             return None
         if self.mid_layer is not None:

@@ -25,6 +25,7 @@ contents; where the kernels are not built, or GPUSERV_PANELS_HUGE_PAGES=0, there
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -37,8 +38,13 @@ BLOCK_BYTES = 64 << 20  # a block's size (a bf16 SmolLM2 is ~4 of them, an fp32 
 ALIGN = 4096  # where each tensor starts in its block: on its own cache lines and 4 KB page
 
 
+def switch_on(name: str) -> bool:
+    """An on-by-default switch variable of the runner's packed weights: off with 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def huge_pages_on() -> bool:
-    return os.environ.get(HUGE_PAGES_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switch_on(HUGE_PAGES_SWITCH)
 
 
 def panel_bytes(n: int, k: int, element_size: int) -> int:
@@ -62,10 +68,7 @@ class PanelArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of shape and dtype, on 2 MB pages where the kernel gives them."""
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.tensor([], dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         with self._lock:

@@ -42,8 +42,7 @@ inline __attribute__((always_inline)) void dp_scores4(const at::BFloat16* q, int
     for (int g = 0; g < S; ++g) {
       __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kz[0]);
       for (int c = 1; c < DP; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kz[c]);
-      // (extractf32x8 needs AVX512DQ)
-      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+      const __m256 h = fold16(a);
       f[g][r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     }
   }

@@ -116,7 +116,7 @@ void rms_row<at::BFloat16>(const at::BFloat16* xr, const at::BFloat16* w, at::BF
     const __m512 v = load16(xr + c);
     acc16 = _mm512_fmadd_ps(v, v, acc16);
   }
-  acc = _mm256_add_ps(_mm512_castps512_ps256(acc16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc16), 1)));
+  acc = fold16(acc16);
 #endif
   for (; c + 8 <= D; c += 8) {
     const __m256 v = load8(xr + c);
@@ -180,7 +180,7 @@ void add_rms_row<at::BFloat16>(at::BFloat16* h, const at::BFloat16* d, const at:
     store16(h + c, v);
     acc16 = _mm512_fmadd_ps(v, v, acc16);
   }
-  acc = _mm256_add_ps(_mm512_castps512_ps256(acc16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc16), 1)));
+  acc = fold16(acc16);
 #endif
   for (; c + 8 <= D; c += 8) {
     const __m256 v = round_bf16(_mm256_add_ps(load8(h + c), load8(d + c)));

@@ -127,10 +127,8 @@ void rows_tt(const T* w, int64_t K, int64_t N, const T* x, int64_t ldx, const T*
 #if GPUSERV_BF16_DP
 // Sums of four 16-lane accumulators -> [sum a, sum b, sum c, sum d].
 inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  auto half = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
+  const __m256 ab = _mm256_hadd_ps(gpuserv_simd::fold16(a), gpuserv_simd::fold16(b));
+  const __m256 cd = _mm256_hadd_ps(gpuserv_simd::fold16(c), gpuserv_simd::fold16(d));
   const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a b c d] of the low and of the high 128 bits
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }

@@ -81,13 +81,14 @@ at::Tensor huge_empty(int64_t bytes) {
 
 int64_t panel_mapped_bytes() { return g_mapped.load(); }
 
-// A contiguous copy of t, in a huge-page mapping as panel_tensor's when it fills one (the bf16 pair
-// panels of packed_gemm.cpp, which runner/linear.py builds with torch ops): a decode step at 8 rows
-// streamed SmolLM2's pair panels in 11.4-12.3 ms instead of 14.2-17.2 (2 threads, alternated).
+// A contiguous copy of t (any strides: the bf16 pair panels of packed_gemm.cpp are a permuted view of
+// W that runner/linear.py hands in, so this is their one copy), in a huge-page mapping as panel_tensor's
+// when it fills one: a decode step at 8 rows streamed SmolLM2's pair panels in 11.4-12.3 ms instead of
+// 14.2-17.2 (2 threads, alternated).
 at::Tensor huge_copy(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "huge_copy: a CPU tensor only");
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (bytes < kHuge) return t.contiguous().clone();
+  if (bytes < kHuge) return t.clone(at::MemoryFormat::Contiguous);
   auto out = huge_map(bytes, false).narrow(0, 0, static_cast<int64_t>(bytes)).view(t.scalar_type()).view(t.sizes());
   out.copy_(t);
   return out;
