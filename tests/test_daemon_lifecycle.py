@@ -131,9 +131,13 @@ def test_sigterm_drains_then_exits_0(daemon):
     short.join()
     long.join()
     assert short.finish == "length" and short.done_marker
-    assert long.finish == "abort" and long.done_marker and long.chunks < LONG
+    # On failure, say how the long stream ended and what the daemon logged about its drain and shutdown.
+    said = [line for line in daemon.log.splitlines() if any(w in line for w in ("drain", "abort", "onnection", "ancel"))]
+    why = (f"long: finish={long.finish} [DONE]={long.done_marker} chunks={long.chunks} error={long.error!r} "
+           f"still reading={long.thread.is_alive()}; daemon: {said[-12:]}")
+    assert long.finish == "abort" and long.done_marker and long.chunks < LONG, why
     assert not daemon.socket.exists()
-    assert "drained: 1 finished, 1 aborted" in daemon.log
+    assert "drained: 1 finished, 1 aborted" in daemon.log, why
 
 
 def test_socket_activation_serves_the_handed_over_socket(tmp_path, home):
