@@ -35,26 +35,37 @@ def engine_and_hf(smollm2_dir):
     return eng, hf
 
 
-def hf_greedy(hf, prompt: list[int], proposed: list[int]) -> list[int]:
-    """transformers' greedy continuation of prompt, checked against `proposed` in one forward pass.
+def hf_greedy(hf, prompts: list[list[int]], proposed: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, checked against its `proposed` in one forward pass.
 
     Greedy decoding picks the argmax after each prefix, so one forward over prompt + proposed gives, at
     every position, the token transformers' generate would pick there. The continuation is read off up to
     the first position where it parts from proposed (or the first EOS, or NEW_TOKENS), which is exactly
     generate(do_sample=False, max_new_tokens=NEW_TOKENS): equal to proposed only when every token of it
     is transformers' pick and it stops where transformers stops. A token-by-token generate costs
-    NEW_TOKENS batch-1 forwards per prompt (most of this module's time) for the same answer.
+    NEW_TOKENS batch-1 forwards per prompt for the same answer.
+
+    All sequences go through one forward, right-padded to the longest: under the causal mask a position
+    sees only the positions before it, so a row's real positions are computed from its own tokens alone
+    (the pads only follow them). One forward instead of one per prompt also saves transformers' CPU
+    matmuls their first-call cost at each new sequence length, which was most of this module's time.
     """
     eos = hf.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
+    seqs = [p + q for p, q in zip(prompts, proposed)]
+    width = max(map(len, seqs))
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     with torch.no_grad():
-        picks = hf(torch.tensor([prompt + proposed])).logits[0, len(prompt) - 1:].argmax(-1).tolist()
-    out: list[int] = []
-    for i, tok in enumerate(picks[:NEW_TOKENS]):
-        out.append(tok)
-        if tok in eos or i >= len(proposed) or tok != proposed[i]:
-            break  # generate stops at EOS; past a difference the prefix is no longer transformers' own
-    return out
+        picks = hf(torch.tensor([s + [pad] * (width - len(s)) for s in seqs])).logits.argmax(-1)
+    outs = []
+    for row, p, q in zip(picks.tolist(), prompts, proposed):
+        out: list[int] = []
+        for i, tok in enumerate(row[len(p) - 1:len(p) - 1 + NEW_TOKENS]):
+            out.append(tok)
+            if tok in eos or i >= len(q) or tok != q[i]:
+                break  # generate stops at EOS; past a difference the prefix is no longer transformers' own
+        outs.append(out)
+    return outs
 
 
 def test_greedy_matches_transformers_alone_and_batched(engine_and_hf):
@@ -66,8 +77,8 @@ def test_greedy_matches_transformers_alone_and_batched(engine_and_hf):
     batched = eng.generate(prompts, params)
     alone = [eng.generate([p], params)[0] for p in prompts[:3]]
     assert alone == batched[:3]
-    for p, got in zip(prompts, batched):
-        assert got == hf_greedy(hf, p, got), eng.tokenizer.decode(p)
+    for p, got, ref in zip(prompts, batched, hf_greedy(hf, prompts, batched)):
+        assert got == ref, eng.tokenizer.decode(p)
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
