@@ -58,6 +58,22 @@ def store_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _small_bandwidth_probe():
+    """The bench's memory-bandwidth probe sums a 64 MiB tensor here instead of 1 GiB.
+
+    A bench run probes four times (floor.py), and filling and faulting in a fresh GiB took 1-4 s each: the
+    largest part of every test that runs `gpuserv bench`. The tests check that the probe runs and that its
+    reading reaches the floor and the report, never its value (no wall-clock numbers), and the code path
+    is the same at any size; 1 GiB only keeps a real run's reading clear of the CPU caches."""
+    from gpuservd.bench import floor
+
+    defaults = floor.measure_read_bandwidth.__defaults__
+    floor.measure_read_bandwidth.__defaults__ = (64 << 20, *defaults[1:])
+    yield
+    floor.measure_read_bandwidth.__defaults__ = defaults
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _reap_daemons():
     """Daemons whose teardown left their interpreter's exit running beside the next tests: waited for here."""
     yield
