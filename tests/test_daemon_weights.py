@@ -157,10 +157,10 @@ def test_low_hit_rate_publishes_a_sizing_suggestion(tmp_path, tiny_model_dir):
     home = make_home(tmp_path, tiny_model_dir, names=("a", "b", "c"))
     d = DaemonProcess(tmp_path, home, config={"server": {"models": []},
                                               "cache": {"cache_size": 1, "host_bytes": "64MiB",
-                                                        "hit_rate_window": 12}})
+                                                        "hit_rate_window": 6}})
     try:
         d.wait_ready()
-        for i in range(13):  # round robin over 3 models with room for 1: every request misses
+        for i in range(7):  # round robin over 3 models with room for 1: every request misses (each one a load)
             assert ask(d, "abc"[i % 3], max_tokens=1).status_code == 200
         with d.http() as c, c.stream("GET", "/admin/events", params={"recent": "50",
                                                                     "types": "cache_hit_rate_low"}) as r:
@@ -170,7 +170,7 @@ def test_low_hit_rate_publishes_a_sizing_suggestion(tmp_path, tiny_model_dir):
             json.loads(next(lines))  # hello
             ev = json.loads(next(lines))
         assert ev["hit_rate"] < 0.9 and ev["models_for_90pct"] == 3 and ev["suggested_cache_size"] == 3
-        assert ev["window"] == 12 and "over the last 12 requests" in ev["message"]
+        assert ev["window"] == 6 and "over the last 6 requests" in ev["message"]
         assert "raise cache_size to 3" in ev["message"]
     finally:
         d.stop(wait_exit=False)
