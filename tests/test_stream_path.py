@@ -136,6 +136,25 @@ def test_sse_json_falls_back_for_what_orjson_refuses():
     assert json.loads(enc.encode(lone, None, [1])[6:])["choices"][0]["text"] == lone
 
 
+def test_sse_lines_survive_a_reader_that_splits_on_unicode_line_ends():
+    """A token may decode to U+0085, U+2028 or U+2029 (a random model's do): str.splitlines, and httpx's
+    iter_lines with it, ends a line there. Escaped, each event stays one line and reads back the same."""
+    import httpx
+
+    odd = "a\x85b\u2028c\u2029d’é"  # and ordinary non-ASCII (U+2019 shares U+2028's first two bytes) stays raw
+    enc = responses.ChunkEncoder("completion", "r", "m", 1, True, False)
+    events = [responses.sse({"t": odd}), enc.encode(odd, None, [1]), enc.encode(odd, "length", [2])]
+    for raw in events:
+        assert "’é".encode() in raw
+        lines = httpx.Response(200, content=raw).iter_lines()
+        data = [line for line in lines if line]
+        assert len(data) == 1 and data[0].startswith("data: ")
+        got = json.loads(data[0][6:])
+        assert odd in (got.get("t"), got.get("choices", [{}])[0].get("text"))
+    assert responses.dumps(odd) == json.dumps(odd).encode().replace(b"\\u2019", "’".encode()).replace(
+        b"\\u00e9", "é".encode())  # the standard library's escapes for exactly the three
+
+
 def test_cpu_per_token_from_two_status_readings():
     before = {"process": {"cpu_s": 10.0, "loop_cpu_s": 1.0, "workers_cpu_s": 0.0}}
     after = {"process": {"cpu_s": 14.0, "loop_cpu_s": 1.5, "workers_cpu_s": 2.0}}

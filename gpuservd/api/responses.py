@@ -9,6 +9,11 @@ every chunk of every stream): compact, UTF-8 rather than backslash-u escapes, wh
 JSON reader takes the same. A string orjson refuses (a lone surrogate, which a
 client can send as an escaped prompt and `echo` returns) falls back to the
 standard library's escaping.
+
+Three characters are escaped all the same: U+0085, U+2028 and U+2029. JSON allows them raw, but
+they end a line for Python's str.splitlines, and so for clients that read a stream by its lines
+that way (httpx's `iter_lines`): a token that decodes to one would cut its `data:` line in two and
+the client's JSON parse would fail mid-stream. As escapes they are the same JSON to every reader.
 """
 
 from __future__ import annotations
@@ -92,9 +97,16 @@ def usage_chunk(kind: str, request_id: str, model: str, created: int, prompt_tok
 def dumps(value) -> bytes:
     """Compact JSON (orjson; the standard library for what orjson refuses: see the module docstring)."""
     try:
-        return orjson.dumps(value)
+        out = orjson.dumps(value)
     except TypeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+        return json.dumps(value, separators=(",", ":")).encode()  # ASCII: every non-ASCII character escaped
+    # In valid UTF-8 these byte sequences can only be the three characters (their first bytes never
+    # continue another character), so replacing bytes is replacing characters.
+    if b"\xc2\x85" in out:
+        out = out.replace(b"\xc2\x85", b"\\u0085")
+    if b"\xe2\x80\xa8" in out or b"\xe2\x80\xa9" in out:
+        out = out.replace(b"\xe2\x80\xa8", b"\\u2028").replace(b"\xe2\x80\xa9", b"\\u2029")
+    return out
 
 
 def sse(data: dict | str) -> bytes:
