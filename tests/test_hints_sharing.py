@@ -75,10 +75,18 @@ def config(chat: dict, batch: dict) -> dict:
             "sharing": {"quantum_ms": 50, "bandwidth_priority": False, "models": {"chat": chat, "batch": batch}}}
 
 
+def enough_steps(events: list[dict]) -> bool:
+    """A verdict is possible: chat has 20 steps beside the neighbour and 20 alone."""
+    shared, alone = split(steps(events, "chat"), steps(events, "batch"))
+    return len(shared) >= 20 and len(alone) >= 20
+
+
 def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0):
     """`cycles` times: a chat request alone, then one while batch has a long request running (cancelled once
-    chat's is done and batch has made neighbour_after more steps alone).
-    result gets the active hints, the rules' status and the events the bus carried."""
+    chat's is done and batch has made neighbour_after more steps alone); more cycles (up to 3 times as many)
+    while the records do not yet hold enough steps of each kind, as on a loaded machine where fewer of
+    chat's steps fall inside one of batch's. result gets the active hints, the rules' status and the events
+    the bus carried."""
     async def check(client, serving):
         events: list[dict] = []
         serving.bus.taps.append(lambda e: events.append(e if isinstance(e, dict) else e.to_json()))
@@ -102,7 +110,9 @@ def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0):
             while not done():
                 await asyncio.sleep(0.002)
 
-        for _ in range(cycles):
+        for i in range(3 * cycles):
+            if i >= cycles and enough_steps(events):
+                break
             await ask("chat", CHAT_TOKENS)
             stepped = count("step", "batch")
             job = asyncio.ensure_future(ask("batch", NEIGHBOUR_TOKENS))
