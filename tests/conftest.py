@@ -58,19 +58,24 @@ def store_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _small_bandwidth_probe():
-    """The bench's memory-bandwidth probe sums a 64 MiB tensor here instead of 1 GiB.
+def _short_bench_probes():
+    """The bench's two machine probes, shortened here: the memory-bandwidth probe sums a 64 MiB tensor
+    instead of 1 GiB, and the batch-1 decode step is the median of 7 steps instead of 63.
 
-    A bench run probes four times (floor.py), and filling and faulting in a fresh GiB took 1-4 s each: the
-    largest part of every test that runs `gpuserv bench`. The tests check that the probe runs and that its
-    reading reaches the floor and the report, never its value (no wall-clock numbers), and the code path
-    is the same at any size; 1 GiB only keeps a real run's reading clear of the CPU caches."""
-    from gpuservd.bench import floor
+    A bench run probes the bandwidth four times (floor.py), and filling and faulting in a fresh GiB took
+    1-4 s each; the 63 steps took about a second more: most of every test that runs `gpuserv bench`. The
+    tests check that both probes run and that their readings reach the floor and the report, never their
+    values (no wall-clock numbers), and the code paths are the same at any size; the full sizes only keep
+    a real run's readings clear of the CPU caches and of one slow step."""
+    from gpuservd.bench import engine_run, floor
 
-    defaults = floor.measure_read_bandwidth.__defaults__
-    floor.measure_read_bandwidth.__defaults__ = (64 << 20, *defaults[1:])
+    probes = [(floor.measure_read_bandwidth, (64 << 20,)), (engine_run.batch1_decode_step_s, (32, 8))]
+    saved = [fn.__defaults__ for fn, _ in probes]
+    for fn, head in probes:
+        fn.__defaults__ = (*head, *fn.__defaults__[len(head):])
     yield
-    floor.measure_read_bandwidth.__defaults__ = defaults
+    for (fn, _), defaults in zip(probes, saved):
+        fn.__defaults__ = defaults
 
 
 @pytest.fixture(scope="session", autouse=True)
