@@ -143,11 +143,14 @@ def test_scheduler_overhead_fires_on_a_queue_of_thousands(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def deep_model_dir(tmp_path_factory):
-    """The tiny model with 16 layers: a forward of a few ms, as a real model's is long against its decision
-    (the 3-layer one's forward is ~1 ms, and a 0.1 ms decision is 10% of that)."""
+    """A tiny model of 16 wider layers: a forward of a few ms, as a real model's is long against its decision.
+    The tiny width is not enough: with every layer in one C++ op its 16-layer step takes ~0.5 ms, and the
+    ~0.05 ms decision is 10% of that, the rule's threshold (it fired in 3 of 3 quiet runs); at width 256 a
+    step takes ~2.5 ms and the decision ~4%."""
     from factories import make_model_dir
 
-    return make_model_dir(tmp_path_factory.mktemp("deep-llama"), num_hidden_layers=16)
+    return make_model_dir(tmp_path_factory.mktemp("deep-llama"), num_hidden_layers=16, hidden_size=256,
+                          intermediate_size=512)
 
 
 def test_scheduler_overhead_quiet_on_a_short_queue(deep_model_dir):
