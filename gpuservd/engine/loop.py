@@ -4,7 +4,7 @@ The asyncio side talks to it through a thread-safe inbox (submit, abort, call).
 The thread applies the inbox, runs one `step()` while work exists and sleeps
 on a condition when idle. Everything it produces in one iteration (request
 outputs, acknowledgements, per-step records, events) goes back to the event
-loop in ONE `call_soon_threadsafe`, so 200 streams cost one wake-up per step,
+loop in ONE wake-up (engine/wakeup.py), so 200 streams cost one wake-up per step,
 not 200. An abort is applied at the top of the next iteration: a cancelled
 request's KV blocks are free within one engine step.
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from gpuservd.engine.calls import EngineFacts
+from gpuservd.engine.wakeup import Wakeup
 from gpuservd.errors import UserError
 from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
 from gpuservd.runner.omp import PoolPriority
@@ -190,6 +191,7 @@ class EngineLoop:
         self.ready: concurrent.futures.Future = concurrent.futures.Future()  # the engine, once built
         self._build = build
         self._loop = loop
+        self._wakeup = Wakeup(loop)  # how _publish wakes the event loop (wakeup.py says why not call_soon_threadsafe)
         self._on_post = on_post  # (deliveries [(sink, item)], events [dict]) on the event loop
         self._hooks = hooks
         self._cond = threading.Condition()
@@ -237,6 +239,8 @@ class EngineLoop:
             self.arbiter.close()  # wakes the thread if it waits for its turn
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._wakeup.close()  # after the thread's last post, which still runs on the loop
         if self.engine is not None:
             self.engine.telemetry.unsubscribe(self._records.append)
 
@@ -454,10 +458,7 @@ class EngineLoop:
         return error_id
 
     def _publish(self, deliveries: list, events: list[Event]) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._on_post, deliveries, events)
-        except RuntimeError:  # the event loop is closed: the daemon is exiting
-            pass
+        self._wakeup.post(self._on_post, deliveries, events)
 
 
 def detail_events(rec: StepRecord) -> list[Event]:
