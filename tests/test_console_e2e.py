@@ -91,12 +91,15 @@ async def test_latency_preemption_and_cancel_through_the_pilot(daemon, long_burs
 
         await until(pilot, preemption_row, what="a preemption in the event log")
 
-        # A fresh burst for the requests screen: on a fast engine the first one may be over by now.
-        burst(daemon.socket, n=8, max_tokens=1000)
         await pilot.press("2")
         notes = lambda: [n.message for n in app._notifications]  # noqa: E731
         for _ in range(5):
-            await until(pilot, lambda: app.screen.query_one("#requests").row_count > 0, what="requests on screen")
+            # A fresh burst whenever the daemon has nothing in flight: on a fast engine the first one may be
+            # over by now, and after a cancel that came too late the rest of a burst may have ended too.
+            if not in_flight(daemon):
+                burst(daemon.socket, n=8, max_tokens=1000)
+            await until(pilot, lambda: app.screen.query_one("#requests").row_count > 0,
+                        what=lambda: f"requests on screen (the daemon has {len(in_flight(daemon))} in flight)")
             # The request furthest from its end, so it is likely still in flight when the cancel lands. One
             # that has used up its preemptions runs to its end alone (a 1000-token request in well under a
             # second), so the one chosen may still end between the screen's refresh and the cancel: the
