@@ -110,7 +110,8 @@ def pack_pairs(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor
 def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The dense W [n, k] a pair-panel tensor holds."""
     g, k2, _ = packed.shape
-    return packed.view(g, k2, PAIR_GROUP, PANEL, 2).permute(0, 2, 3, 1, 4).reshape(g * PAIR_GROUP * PANEL, 2 * k2)[:n, :k]
+    dense = packed.view(g, k2, PAIR_GROUP, PANEL, 2).permute(0, 2, 3, 1, 4)  # [g, v, j, kk, e]
+    return dense.reshape(g * PAIR_GROUP * PANEL, 2 * k2)[:n, :k]
 
 
 def pack_panels(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
