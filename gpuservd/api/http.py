@@ -165,10 +165,16 @@ class StreamResponse:
     ends first cancels the other. `on_close(disconnected)` always runs, even
     when the body never started, so the request is aborted and its admission
     released on every path.
+
+    `body` is an async iterable of chunks, or a function of the connection's body writer (None where
+    the server offers none) that returns one: a body can then write chunks itself between its own
+    (openai_routes: from the engine's hand-off). Where the server offers a writer (api/server.ChunkedBody)
+    the body's chunks go straight to it, not through the ASGI send.
     """
 
     def __init__(self, body, on_close, media_type: str, headers: dict | None = None, status_code: int = 200):
         self.body = body
+        self._started = not callable(body)
         self.on_close = on_close
         self.status_code = status_code
         self.headers = {"content-type": media_type, **(headers or {})}
@@ -178,8 +184,17 @@ class StreamResponse:
 
         async def pump():
             await send({"type": "http.response.start", "status": self.status_code, "headers": raw})
-            async for chunk in self.body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            make_writer = (scope.get("state") or {}).get("body_writer")
+            writer = make_writer(scope) if make_writer is not None else None
+            if not self._started:
+                self.body, self._started = self.body(writer), True
+            if writer is None:
+                async for chunk in self.body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            else:  # straight to the connection (api/server.ChunkedBody says why)
+                async for chunk in self.body:
+                    writer.write(chunk)
+                    await writer.drain()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch():
@@ -197,7 +212,7 @@ class StreamResponse:
             for task in (pump_task, watch_task):
                 task.cancel()
             await asyncio.gather(pump_task, watch_task, return_exceptions=True)
-            close = getattr(self.body, "aclose", None)
+            close = getattr(self.body, "aclose", None) if self._started else None
             if close is not None:
                 await close()
             self.on_close(disconnected)

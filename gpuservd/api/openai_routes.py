@@ -84,17 +84,35 @@ async def _merged(choices: list[Choice]):
             t.cancel()
 
 
-async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, created: int):
+def _direct(c: Choice, writer):
+    """The handler that writes a choice's chunk from the engine's hand-off (ActiveRequest.stream_to): while
+    the client keeps up, an output costs no task wake-up, no generator and no ASGI send; when it lags the
+    output is left to the stream's reader, which waits for the client and sends what piled up as one chunk."""
+    def handle(out) -> bool:
+        if not writer.ready:
+            return False
+        data = c.chunk([out])
+        if data is not None:
+            writer.write(data)
+        return True
+
+    return handle
+
+
+async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, created: int, writer=None):
     """SSE body of a streaming request: the choices' chunks as they come, then usage and [DONE].
 
     One choice (the usual stream) reads its request's outputs directly, with no task, queue or generator
-    between them and the response: this runs once per engine step for every stream."""
+    between them and the response: this runs once per engine step for every stream. With the connection's
+    body writer (api/server.ChunkedBody), its chunks are written from the engine's hand-off itself."""
     for c in choices:
         opening = c.opening()
         if opening is not None:
             yield opening
     if len(choices) == 1:
         c = choices[0]
+        if writer is not None:  # after the opening: it is written before this generator runs on
+            c.active.stream_to(_direct(c, writer))
         try:
             async for outs in c.active.batches():
                 data = c.chunk(outs)
@@ -102,6 +120,8 @@ async def _events(choices: list[Choice], greq: GenerationRequest, rid: str, crea
                     yield data
         except ServingError as exc:
             yield responses.sse(to_api_error(exc).body())
+        finally:
+            c.active.stream_to(None)
     else:
         merged = _merged(choices)
         try:
@@ -177,8 +197,8 @@ def routes(serving: Serving) -> list[Route]:
                 for a in actives:
                     a.close(disconnected)
 
-            return StreamResponse(_events(choices, greq, ctx.request_id, created), on_close=close,
-                                  media_type="text/event-stream",
+            return StreamResponse(lambda writer: _events(choices, greq, ctx.request_id, created, writer),
+                                  on_close=close, media_type="text/event-stream",
                                   headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await _collect(choices, request)
         return JSONResponse(_response(choices, greq, ctx.request_id, created), headers=headers)

@@ -59,7 +59,7 @@ class PeerCredProtocol(FastScrape, ReadDeadlines, H11Protocol):
         sock = transport.get_extra_info("socket")
         unix = sock is not None and sock.family == socket.AF_UNIX
         peer = peer_credentials(sock) if unix else None
-        self.app_state = {**self.app_state, "peer": peer, "via": "unix" if unix else "tcp"}
+        self.app_state = {**self.app_state, "peer": peer, "via": "unix" if unix else "tcp", "body_writer": self.body_writer}
         self.peer_key = None
         if self.peers is not None:
             key = peer_key(peer)
@@ -69,11 +69,53 @@ class PeerCredProtocol(FastScrape, ReadDeadlines, H11Protocol):
                 return
             self.peer_key = key
 
+    def body_writer(self, scope) -> "ChunkedBody | None":
+        """A writer of the current response's body straight to the transport (api/http.StreamResponse), or
+        None where h11 does not frame it in chunks: an HTTP/1.0 client gets a body delimited by the close."""
+        if self.cycle is None or self.cycle.response_complete:
+            return None
+        if scope.get("http_version") != "1.1" or scope.get("method") == "HEAD":
+            return None
+        return ChunkedBody(self.transport, self.flow)
+
     def connection_lost(self, exc) -> None:
         if self.peers is not None:
             self.peers.release(self.peer_key)
             self.peer_key = None
         super().connection_lost(exc)
+
+
+class ChunkedBody:
+    """One streamed response's body chunks written to its connection's transport as HTTP/1.1 chunks.
+
+    A stream's chunk went through Starlette's middlewares' send wrappers, uvicorn's send and h11's
+    state machine before its one transport.write; at 48 streams that is every stream's every token.
+    The head and the last (empty) chunk still go through uvicorn's send, so h11 frames the head, ends
+    the message and keeps its connection state (keep-alive) as for any response; h11 keeps no count of a
+    chunked body's bytes, so the chunks written around it leave it consistent. Only a response h11 frames
+    in chunks gets one (see PeerCredProtocol.body_writer)."""
+
+    __slots__ = ("_transport", "_flow")
+
+    def __init__(self, transport, flow):
+        self._transport = transport
+        self._flow = flow
+
+    def write(self, data: bytes) -> None:
+        """One chunk (empty data is nothing: an empty chunk would end the body). Nothing once the
+        connection is closing: the client left, and the response's disconnect watcher ends the stream."""
+        if data and not self._transport.is_closing():
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    @property
+    def ready(self) -> bool:
+        """A chunk written now goes out without waiting: the client keeps up and is still there."""
+        return not self._flow.write_paused and not self._transport.is_closing()
+
+    async def drain(self) -> None:
+        """Wait while the transport's buffer is over its high-water mark (a client reading slowly)."""
+        if self._flow.write_paused and not self._transport.is_closing():
+            await self._flow.drain()
 
 
 def build_app(serving, metrics, controller, tcp_token: str | None = None, admin_token: str | None = None) -> Starlette:

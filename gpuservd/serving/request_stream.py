@@ -92,8 +92,14 @@ class RequestSink:
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self.num_wakeups = 0  # times a waiting reader was woken (one per engine iteration at most)
+        # listener(item) -> bool, on the event loop: True when it took the item itself (no reader woken);
+        # asked only while nothing waits for the reader, so items keep their order (ActiveRequest.stream_to)
+        self.listener: Callable[[object], bool] | None = None
 
     def put(self, item) -> None:
+        listener = self.listener
+        if listener is not None and not self._items and listener(item):
+            return
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -161,15 +167,43 @@ class ActiveRequest:
                 if isinstance(item, Accepted):
                     continue
                 outs.append(item)
-                self.num_output_tokens = item.num_output_tokens
-                if item.new_token_ids and self.queued:
-                    self.first_token_at = time.monotonic()
-                    self._dequeue()
+                self._account(item)
                 if item.finished:
                     self.done = True
                     self.finish_reason = item.finish_reason.value if item.finish_reason else None
             if outs:
                 yield outs
+
+    def _account(self, out) -> None:
+        self.num_output_tokens = out.num_output_tokens
+        if out.new_token_ids and self.queued:
+            self.first_token_at = time.monotonic()
+            self._dequeue()
+
+    def stream_to(self, handler: Callable[[object], bool] | None) -> None:
+        """Hand each output that neither ends nor fails the request to handler(output) on the event loop as
+        it arrives, with no reader to wake (api/openai_routes: a stream's chunk is written from the engine's
+        hand-off itself, one task wake-up less per stream per step). handler returns False to leave the
+        output to batches() (a client reading slowly); the last output, failures and anything after an
+        output left there go to batches() as before, and so does everything from an output the handler
+        raised on. None stops it."""
+        if handler is None:
+            self.sink.listener = None
+            return
+
+        def listen(item) -> bool:
+            if isinstance(item, (Failed, EngineGone, Accepted)) or item.finished:
+                return False
+            try:
+                taken = handler(item)
+            except Exception:  # it runs in the hand-off of every stream: its reader meets the failure instead
+                self.sink.listener = None
+                return False
+            if taken:
+                self._account(item)
+            return taken
+
+        self.sink.listener = listen
 
     def abort(self) -> None:
         if not self.done and self.slot.loop is not None:
