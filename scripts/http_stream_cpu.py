@@ -62,6 +62,27 @@ def client(path: str, streams: int, ready, token_ids: bool) -> None:
                 left -= 1
 
 
+def bench_client(path: str, streams: int, ready, token_ids: bool, cpu) -> None:
+    """The bench's own streaming client (gpuservd/bench: post_sse + count_chunk) on the streams; its process
+    CPU goes to `cpu` (a multiprocessing.Value)."""
+    import orjson
+
+    from gpuservd.bench.http_client import StreamCount, count_chunk
+    from gpuservd.bench.sse_stream import post_sse
+
+    body = {"model": "m", "prompt": "x", "stream": True, "return_token_ids": token_ids}
+
+    async def run():
+        counts = [StreamCount() for _ in range(streams)]
+        c0 = time.process_time()
+        await asyncio.gather(*(post_sse("http://localhost", path, "/v1/completions", orjson.dumps(body),
+                                        lambda p, c=c: count_chunk(p, c, 0.0)) for c in counts))
+        cpu.value = time.process_time() - c0
+
+    ready.set()
+    asyncio.run(run())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--streams", type=int, default=48)
@@ -69,6 +90,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--token-ids", action="store_true")
+    p.add_argument("--bench-client", action="store_true", help="read with the bench's client and report its CPU")
     a = p.parse_args()
 
     sinks: list = []
@@ -105,7 +127,10 @@ def main() -> None:
         for r in range(a.rounds):
             sinks.clear()
             ready = multiprocessing.Event()
-            proc = multiprocessing.Process(target=client, args=(path, a.streams, ready, a.token_ids))
+            client_cpu = multiprocessing.Value("d", 0.0)
+            proc = multiprocessing.Process(target=bench_client if a.bench_client else client,
+                                           args=(path, a.streams, ready, a.token_ids)
+                                           + ((client_cpu,) if a.bench_client else ()))
             proc.start()
             while len(sinks) < a.streams:
                 await asyncio.sleep(0.01)
@@ -142,7 +167,8 @@ def main() -> None:
             chunks = a.streams * a.steps
             print(f"[{r}] event loop CPU {1e6 * total / chunks:6.1f} us/chunk overall, "
                   f"{1e6 * cpu / chunks:6.1f} us/chunk in the delivery turn "
-                  f"({a.streams} streams x {a.steps} steps, {time.perf_counter() - w0:.1f} s, "
+                  + (f", bench client {1e6 * client_cpu.value / chunks:.1f} us/chunk" if a.bench_client else "")
+                  + f" ({a.streams} streams x {a.steps} steps, {time.perf_counter() - w0:.1f} s, "
                   f"load {open('/proc/loadavg').read().split()[0]})", flush=True)
         server.should_exit = True
         await serve

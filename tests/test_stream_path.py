@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 from gpuservd.api import responses
@@ -162,3 +163,83 @@ def test_cpu_per_token_from_two_status_readings():
     assert got == {"daemon_cpu_s_per_token": 0.006, "daemon_loop_cpu_s_per_token": 0.0005,
                    "client_cpu_s_per_token": 0.00025, "daemon_cpu_s": 6.0}
     assert cpu_per_token({}, after, 1000)["daemon_cpu_s_per_token"] is None  # a daemon without the section
+
+
+def test_a_steps_inter_token_gaps_are_observed_once_per_distinct_gap():
+    """Metrics.on_step runs on the engine thread between steps: 48 streams' inter-token gaps, mostly one
+    value (the previous step's time), go into the ITL/TPOT histograms as one weighted observation each,
+    and the histograms read as if every stream's gap had been observed on its own."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from gpuservd.api.metrics import TPOT_BUCKETS, Metrics, observe_n
+
+    reg = CollectorRegistry()
+    one, many = (Histogram(n, n, ["m"], buckets=TPOT_BUCKETS, registry=reg).labels("a") for n in ("one", "many"))
+    for amount, n in ((0.03, 48), (0.2, 1), (99.0, 3)):
+        observe_n(many, amount, n)
+        for _ in range(n):
+            one.observe(amount)
+    samples = {(s.name.replace("many", "one"), tuple(s.labels.items())): s.value
+               for f in reg.collect() for s in f.samples if s.name.startswith("many")}
+    for f in reg.collect():
+        for s in f.samples:
+            if s.name.startswith("one") and not s.name.endswith("_created"):
+                assert abs(samples[(s.name, tuple(s.labels.items()))] - s.value) < 1e-9, s
+
+    m = Metrics()
+    m.add_model("m")
+    rec = SimpleNamespace(wall_s=0.05, decision_s=0.001, num_preempted=0, preemptions=[],
+                          num_prefix_query_tokens=0, swaps=[])
+    outs = [RequestOutput(f"r{i}", [5], "x", False, None, 10, 5, 0.0, None, None) for i in range(48)]
+    m.on_step("m", rec, outs)
+    calls = []
+    series = m._series["m"]
+    for name in ("itl", "tpot"):
+        child = getattr(series, name)
+        child.observe = lambda v, _o=child.observe: (calls.append(v), _o(v))
+    m.on_step("m", rec, outs)
+    assert calls == []  # one weighted observation, not 2 x 48 observe() calls
+    counts = {f.name: s.value for f in m.registry.collect() for s in f.samples if s.name.endswith("_count")}
+    assert counts["vllm:inter_token_latency_seconds"] == 48
+    assert counts["vllm:time_per_output_token_seconds"] == 48
+
+
+def test_a_busy_engines_snapshot_renews_its_status_dicts_now_and_then_and_idle_at_once(tiny_model_dir,
+                                                                                          monkeypatch):
+    """The loop's heartbeat snapshot is made between every two steps; its preemption, decode and prefix-cache
+    dicts (a fraction of a ms at a full batch) are renewed every DETAIL_EVERY_S while busy, fresh when idle."""
+    from gpuservd.engine import loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "DETAIL_EVERY_S", 3600.0)  # no renewal by the clock during the run
+    aloop = _RecordingLoop()
+    done = threading.Event()
+    finished = []
+
+    class Sink:
+        def put(self, item):
+            if isinstance(item, RequestOutput) and item.finished:
+                finished.append(item)
+                if len(finished) == 4:
+                    done.set()
+
+    loop = EngineLoop("tiny", lambda: make_engine(tiny_model_dir), aloop, lambda d, e: [s.put(i) for s, i in d])
+    for i in range(4):
+        loop.submit(Submission(f"r{i}", [3 + i, 4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True), Sink()))
+    loop.start()
+    try:
+        loop.ready.result(120)
+        engine = loop.engine
+        made = []
+        status = engine.preemption_status
+        engine.preemption_status = lambda: (made.append(engine.has_unfinished()), status())[1]
+        assert done.wait(120)
+        deadline = time.monotonic() + 10
+        while not (made and not made[-1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    steps = engine.telemetry.num_steps
+    busy = [m for m in made if m]
+    assert steps >= 40 and len(busy) <= 1  # at most the renewal due when the run began
+    assert made and made[-1] is False  # renewed once the engine had nothing left
+    assert loop.snapshot.prefix_cache == engine.prefix_cache_status()
