@@ -19,8 +19,8 @@ using ItemFn_bf16_t = void (*)(const Item&, const at::BFloat16*, const at::BFloa
 // used to take about its arithmetic time plus the time of a pure read of its bytes, one after the other.
 // Most of that was waiting on DRAM at item starts and behind short runs, which the thread's Prefetcher
 // (attention_item.h) now hides; the rest was arithmetic that did not need to be there:
-// - a score was summed by its own 16-lane reduction (~8 instructions per query head and token); now four
-//   tokens' dot products are folded to 4 lanes each and summed together after a 4 x 4 transpose;
+// - a score was summed by its own 16-lane reduction (~8 instructions per query head and token); now 16
+//   tokens' dot products are reduced together (dp_scores16), ~3 instructions a score;
 // - the softmax's max was a scalar loop (a serial vmaxss chain, ~10% of the item); now 16 lanes at a time;
 // every sum keeps its order, so the outputs are bit for bit the previous item's (SmolLM2's bf16 logits
 // against transformers' sit close to test_bf16_kernels' bound, and a changed rounding crossed it);
@@ -28,49 +28,49 @@ using ItemFn_bf16_t = void (*)(const Item&, const at::BFloat16*, const at::BFloa
 //   (shifted) and odd dims (masked), summed in separate accumulators and interleaved once at the end.
 // V is summed a 16-token group at a time for every head, so each V row is consumed from L1 once, in the
 // order the Prefetcher streams it; the running sums live in it.acc between groups.
-// Scores of S query heads (q: S heads, qstride apart) against 4 K rows: out[g * stride + r] = q[g] . kr[r] * scale.
-template <int S, int DP>
-inline __attribute__((always_inline)) void dp_scores4(const at::BFloat16* q, int64_t qstride, const at::BFloat16* const* kr,
-                                                      float scale, float* out, int64_t stride) {
-  __m512bh qv[S][DP];
-  for (int g = 0; g < S; ++g)
-    for (int c = 0; c < DP; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * qstride + 32 * c);
-  __m128 f[S][4];
-  for (int r = 0; r < 4; ++r) {
-    __m512bh kz[DP];
-    for (int c = 0; c < DP; ++c) kz[c] = (__m512bh)_mm512_loadu_si512(kr[r] + 32 * c);
-    for (int g = 0; g < S; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kz[0]);
-      for (int c = 1; c < DP; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kz[c]);
-      const __m256 h = fold16(a);
-      f[g][r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    }
+// Scores of one query head against 16 consecutive K rows (k: the first row's slice of this head, rows rs
+// apart; rows past `count` read the last valid one and are not stored): out[r] = q . k_r * scale, r < count.
+// Each row's 16-lane dot product is summed as _mm512_reduce_add_ps sums it, lane i with i + 8, then j
+// with j + 4, then (0 + 2) + (1 + 3), so the scores are bit for bit those of a reduction per token; the
+// 16 rows' reductions run together as a transposing tree (3 instructions a pair of vectors a level, 45
+// for the 16 rows, instead of ~7 a row reduced alone and 4 rows transposed: the scores took more
+// instructions than the rest of the item).
+template <int DP>
+inline __attribute__((always_inline)) void dp_scores16(const at::BFloat16* q, const at::BFloat16* k, int64_t rs,
+                                                       int64_t count, __m512 scale, float* out) {
+  __m512bh qv[DP];
+  for (int c = 0; c < DP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  __m512 a[16];
+  for (int r = 0; r < 16; ++r) {
+    const at::BFloat16* kr = k + std::min<int64_t>(r, count - 1) * rs;
+    a[r] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+    for (int c = 1; c < DP; ++c) a[r] = _mm512_dpbf16_ps(a[r], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
   }
-  // The 4 lanes x0..x3 of each row's sum, transposed, and added as _mm512_reduce_add_ps adds them,
-  // (x0 + x2) + (x1 + x3): the scores are then bit for bit those of a reduction per token.
-  const __m128 vs = _mm_set1_ps(scale);
-  for (int g = 0; g < S; ++g) {
-    __m128 c0 = f[g][0], c1 = f[g][1], c2 = f[g][2], c3 = f[g][3];
-    _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
-    _mm_storeu_ps(out + g * stride, _mm_mul_ps(_mm_add_ps(_mm_add_ps(c0, c2), _mm_add_ps(c1, c3)), vs));
-  }
+  // Lanes i + (i + 8): b[i] = [rows 2i, 2i + 1], 8 lanes each.
+  __m512 b[8];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Lanes j + (j + 4): c[i] = [rows 4i .. 4i + 3], 4 lanes each.
+  __m512 c[4];
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // (0 + 2), (1 + 3): 128-bit block j of d[i] = [rows 8i + j, 8i + 4 + j], 2 lanes each.
+  __m512 d[2];
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]))));
+  // (0 + 2) + (1 + 3): lane 4 j + e of s = row 4 e + j; back to row order.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __mmask16 keep = count >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(_mm512_permutexvar_ps(order, s), scale));
 }
 
-// dp_scores4 for the G query heads of a KV head, 3 at a time (within the 32 vector registers).
-template <int G, int DP, int S0 = 0>
-inline __attribute__((always_inline)) void dp_scores4_heads(const at::BFloat16* q, int64_t qstride,
-                                                            const at::BFloat16* const* kr, float scale, float* out,
-                                                            int64_t stride) {
-  if constexpr (S0 < G) {
-    constexpr int S = G - S0 < 3 ? G - S0 : 3;
-    dp_scores4<S, DP>(q + S0 * qstride, qstride, kr, scale, out + S0 * stride, stride);
-    dp_scores4_heads<G, DP, S0 + S>(q, qstride, kr, scale, out, stride);
-  }
-}
-
-// Floats a head's scores take in the item's scratch: n, room for the 4-token stores past a run's end, and a
-// multiple of 16 for the softmax's vectors.
-inline int64_t dp_scores_stride(int64_t n) { return (n + 3 + 15) & ~int64_t(15); }
+// Floats a head's scores take in the item's scratch: n, as a multiple of 16 for the softmax's vectors.
+inline int64_t dp_scores_stride(int64_t n) { return (n + 15) & ~int64_t(15); }
 
 // The max of n scores, 16 at a time (a scalar loop was a serial vmaxss chain, ~10% of the item).
 inline float max_row16(const float* s, int64_t n) {
@@ -93,14 +93,12 @@ void attend_item_dp(const Item& it, const at::BFloat16* k, const at::BFloat16* v
   const auto* q = static_cast<const at::BFloat16*>(it.qraw);
   const int64_t qstride = it.qraw_head_stride;
   int64_t i0 = 0;
+  const __m512 scale = _mm512_set1_ps(it.scale);
   for_each_run(it.table, sh.block_size, it.t0, it.t1, [&](int64_t row, int64_t count) {
-    for (int64_t r0 = 0; r0 < count; r0 += 4) {
-      for (int64_t h = 0; h < KVH; ++h) {
-        const at::BFloat16* kr[4];
-        for (int r = 0; r < 4; ++r) kr[r] = k + (row + std::min<int64_t>(r0 + r, count - 1)) * rs + h * D;
-        // Lanes past the run land on the next run's first scores (rewritten by it) or in the padding.
-        dp_scores4_heads<G, DP>(q + h * G * qstride, qstride, kr, it.scale, scores + h * G * ns + i0 + r0, ns);
-      }
+    for (int64_t r0 = 0; r0 < count; r0 += 16) {
+      for (int64_t hq = 0; hq < KVH * G; ++hq)
+        dp_scores16<DP>(q + hq * qstride, k + (row + r0) * rs + (hq / G) * D, rs, std::min<int64_t>(16, count - r0),
+                        scale, scores + hq * ns + i0 + r0);
     }
     i0 += count;
     if (it.pf) it.pf->consume(count * row_bytes);
