@@ -22,14 +22,14 @@
 // Work split: each thread owns a contiguous run of panels (dealt in chunks; a thread done early
 // takes chunks from the back of another's run, see Claims), so it streams its share of W from DRAM
 // as one sequential run, and prefetches the next lines of it into L2 while it computes on the
-// current ones. Except at
-// one row: its tile needs only 2 FMAs a 64-byte line, far below what the core
+// current ones. Except below kPrefetchRows
+// rows: a tile needs only 2-4 FMAs a 64-byte line, far below what the core
 // can do, so the hardware prefetcher alone keeps the one sequential stream at
 // the read rate, and the software prefetches only took load slots and miss
 // buffers (on the 2-core EPYC, 1 thread, process CPU time, min of 15 alternated
 // passes over SmolLM2's qkv, down, gate_up and LM head: without them a 1-row
 // call took 0.89-0.92x the time, 1.03-1.04x a plain sum over the same bytes;
-// at 2 rows level, at 4-48 rows the prefetches save 5-25%). Within a range:
+// at 4-48 rows the prefetches save 5-25%). Within a range:
 // chunks of up to kMc rows of x (kept in L2), panel by panel, and when
 // a chunk has more than one row block, blocks of kKc input positions (a 16 KB
 // slice of the panel stays in L1 while every row block passes over it; the
@@ -72,6 +72,10 @@ constexpr int64_t kKc = 256;    // input positions per K block (256 x 64 B = 16 
 constexpr int64_t kParallelBytes = 256 << 10;  // smaller weights run on the calling thread
 constexpr int64_t kChunkBytes = 128 << 10;     // the least W a thread claims at once
 constexpr int64_t kPfAhead = 32 << 10;         // how far past a K block's start its prefetches begin
+// Rows of x (a chunk's) from which W is prefetched in software. A step's linears over SmolLM2's 30 layers,
+// AVX2 tiles, 1 thread, CPU time, prefetching from 2 rows against never, alternated twice: 2 rows 20.6 /
+// 21.6 ms with, 16.8 / 18.7 without; 3 rows 20.0 / 22.0 with, 22.4 / 24.9 without; 4 rows and up with.
+constexpr int64_t kPrefetchRows = 3;
 
 struct Out {
   float* y;            // the tile's first output (row m0, column 16 p)
@@ -251,7 +255,7 @@ void panels(const Call<T>& c, int64_t p0, int64_t p1, const char* w_end) {
         // slower (1 thread, AVX2 tiles; 8 KB ahead was as slow, 16-64 KB level).
         const char* next = nb == 1 ? reinterpret_cast<const char*>(wp + kc * kPanel)
                                    : reinterpret_cast<const char*>(wp) + kPfAhead;
-        const int64_t lines = rows == 1 ? 0
+        const int64_t lines = rows < kPrefetchRows ? 0
             : std::max<int64_t>(0, std::min<int64_t>((kc * kStepBytes + 63) / 64, (w_end - next) / 64));
         o.first = k0 == 0;
         o.last = k0 + kc == c.K;
