@@ -9,7 +9,11 @@
 // the hardware prefetchers follow those. Software prefetch of every line ahead (the previous design)
 // did not close the gap and slowed the sequential pass when added to it. A step's rows are contiguous
 // within a block, so the copy is a few straight runs; from the buffer (L1/L2) the arithmetic runs at full
-// speed.
+// speed. The copy itself also prefetches the next step's rows into L2, one K and one V line for each line
+// it copies (StepLines: at the copy's own pace, never a burst), so that step's copy reads L2 instead of
+// waiting on DRAM while nothing else is fetched: on the Zen 4 box with the AVX2 kernels (8 x 480, 30
+// layers' caches in turn, 1 thread, CPU time, alternated three times) 546 / 577 / 572 -> 521 / 515 / 492 us
+// a layer call; one step ahead as fast as two.
 //
 // The arithmetic, per context token, is small (G query heads x D dims x 2 dot products a KV head):
 // - scores: each K row is loaded once for the G query heads of its KV head, 4 rows at a time; the 4 x G
@@ -126,16 +130,44 @@ inline __attribute__((always_inline)) void weighted_v_heads(const float* p, cons
   }
 }
 
+// The K and V lines of a step's rows, handed out one pair at a time in the order copy_step_rows reads them.
+struct StepLines {
+  static constexpr int kMaxRuns = 8;
+  const char* k[kMaxRuns];
+  const char* v[kMaxRuns];
+  int64_t bytes[kMaxRuns];
+  int runs = 0, r = 0;
+  int64_t off = 0;
+  StepLines(const Item& it, const float* kc, const float* vc, const Shape& sh, int64_t t0, int64_t t1) {
+    if (t0 >= t1) return;
+    for_each_run(it.table, sh.block_size, t0, t1, [&](int64_t row, int64_t count) {
+      if (runs == kMaxRuns) return;
+      k[runs] = reinterpret_cast<const char*>(kc + row * sh.row_stride);
+      v[runs] = reinterpret_cast<const char*>(vc + row * sh.row_stride);
+      bytes[runs++] = count * sh.row_stride * int64_t(sizeof(float));
+    });
+  }
+  // Prefetches the next K line and V line into L2 (nothing once all are out).
+  inline void next() {
+    if (r == runs) return;
+    _mm_prefetch(k[r] + off, _MM_HINT_T1);
+    _mm_prefetch(v[r] + off, _MM_HINT_T1);
+    if ((off += 64) >= bytes[r]) off = 0, ++r;
+  }
+};
+
 // Copies the K and V rows of context tokens [t0, t1) to bk, bv (rows rs floats apart), a block's run of
-// rows at a time, K and V 8 floats in turn: two sequential streams.
+// rows at a time, K and V 8 floats in turn: two sequential streams. ahead: the next step's lines,
+// prefetched one K and one V line for each line copied.
 inline void copy_step_rows(const Item& it, const float* k, const float* v, const Shape& sh, int64_t t0, int64_t t1,
-                           float* bk, float* bv) {
+                           float* bk, float* bv, StepLines& ahead) {
   const int64_t rs = sh.row_stride;
   for_each_run(it.table, sh.block_size, t0, t1, [&](int64_t row, int64_t count) {
     const float* kr = k + row * rs;
     const float* vr = v + row * rs;
     const int64_t n = count * rs;  // a multiple of 8 (D % 8 == 0)
     for (int64_t c = 0; c < n; c += 8) {
+      if (c % 16 == 0) ahead.next();
       _mm256_storeu_ps(bk + c, _mm256_loadu_ps(kr + c));
       _mm256_storeu_ps(bv + c, _mm256_loadu_ps(vr + c));
     }
@@ -158,7 +190,8 @@ void attend_item_f32(const Item& it, const float* k, const float* v, const Shape
   std::fill(it.acc, it.acc + H * D, 0.f);
   for (int64_t t = it.t0; t < it.t1; t += kStep) {
     const int64_t n = std::min(kStep, it.t1 - t);
-    copy_step_rows(it, k, v, sh, t, t + n, bk, bv);
+    StepLines ahead(it, k, v, sh, t + kStep, std::min(it.t1, t + 2 * kStep));
+    copy_step_rows(it, k, v, sh, t, t + n, bk, bv, ahead);
     for (int64_t h = 0; h < KVH; ++h) {
       float* sc = scores + h * G * kStep;
       for (int64_t r0 = 0; r0 < n; r0 += 4) {
