@@ -75,7 +75,6 @@ GEMV_MAX_ROWS = 32
 GEMV_MAX_ROWS_BF16_DP = 64
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PANEL = 16  # output columns per panel of both packed layouts (fp32 lanes of one AVX-512 register)
-PAIR_GROUP = 3  # pair panels per interleaved group (csrc/packed_gemm.cpp's tile width)
 PACKED_SWITCH = "GPUSERV_PACKED_WEIGHTS"
 BF16_PANELS_SWITCH = "GPUSERV_PANELS_BF16"
 # HUGE_PAGES_SWITCH: panels in 2 MB-aligned MADV_HUGEPAGE mappings (csrc/packed_panels_f32.cpp), the
@@ -86,32 +85,28 @@ BF16_PANEL_POS = [2 * j if j < 8 else 2 * (j - 8) + 1 for j in range(PANEL)]
 
 
 def pack_pairs(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
-    """W [N, K] -> pair panels in groups of PAIR_GROUP, [ceil(N/48), ceil(K/2), 96]:
-    packed[g][kk][32 v + 2 j + e] = W[48 g + 16 v + j][2 kk + e], zero padded (csrc/packed_gemm.cpp: a group's
-    panels interleaved pair step by pair step, so the kernel reads W as one stream); on the CPU on 2 MB pages
-    like the column panels': cut from the arena's blocks when given, else in a mapping of their own
-    (csrc/packed_panels_f32.cpp huge_copy)."""
+    """W [N, K] -> pair panels [ceil(N/16), ceil(K/2), 32]: packed[p][kk][2j + e] = W[16p + j][2kk + e],
+    zero padded (csrc/packed_gemm.cpp); on the CPU on 2 MB pages like the column panels': cut from the
+    arena's blocks when given, else in a mapping of their own (csrc/packed_panels_f32.cpp huge_copy)."""
     n, k = w.shape
-    cols = PAIR_GROUP * PANEL
-    g, k2 = -(-n // cols), -(-k // 2)
-    if n % cols or k % 2:
-        w = torch.nn.functional.pad(w, (0, 2 * k2 - k, 0, g * cols - n))
-    pairs = w.reshape(g, PAIR_GROUP, PANEL, k2, 2).permute(0, 3, 1, 2, 4)  # [g, kk, v, j, e]
+    p, k2 = -(-n // PANEL), -(-k // 2)
+    if n % PANEL or k % 2:
+        w = torch.nn.functional.pad(w, (0, 2 * k2 - k, 0, p * PANEL - n))
+    pairs = w.reshape(p, PANEL, k2, 2).permute(0, 2, 1, 3)
     if arena is not None and w.device.type == "cpu":
-        out = arena.empty((g, k2, 2 * cols), w.dtype)
-        out.view(g, k2, PAIR_GROUP, PANEL, 2).copy_(pairs)  # permuted straight into place
+        out = arena.empty((p, k2, 2 * PANEL), w.dtype)
+        out.view(p, k2, PANEL, 2).copy_(pairs)  # permuted straight into place
         return out
     ops = cpu_kernels.get() if w.device.type == "cpu" else None
     if ops is None or not hasattr(ops, "huge_copy") or not huge_pages_on():
-        return pairs.contiguous().view(g, k2, 2 * cols)
-    return ops.huge_copy(pairs).view(g, k2, 2 * cols)  # the permuted view copied once, into place
+        return pairs.contiguous().view(p, k2, 2 * PANEL)
+    return ops.huge_copy(pairs).view(p, k2, 2 * PANEL)  # the permuted view copied once, into place
 
 
 def unpack_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The dense W [n, k] a pair-panel tensor holds."""
-    g, k2, _ = packed.shape
-    dense = packed.view(g, k2, PAIR_GROUP, PANEL, 2).permute(0, 2, 3, 1, 4)  # [g, v, j, kk, e]
-    return dense.reshape(g * PAIR_GROUP * PANEL, 2 * k2)[:n, :k]
+    p, k2, _ = packed.shape
+    return packed.view(p, k2, PANEL, 2).permute(0, 2, 1, 3).reshape(p * PANEL, 2 * k2)[:n, :k]
 
 
 def pack_panels(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
@@ -252,11 +247,11 @@ class Linear:
             return self.weight.index_select(0, ids)
         # One gather (advanced indexing on the 4-D view took 1.4 ms for 32 ids, this ~0.02 ms).
         # Column panels: element (n, c) lies at flat ((n // 16) * in + c) * 16 + n % 16 (bf16 ones: at
-        # BF16_PANEL_POS[n % 16] in place of n % 16). Pair panels: at ((n // 48) * k2 + c // 2) * 96 +
-        # (n % 48) * 2 + c % 2.
+        # BF16_PANEL_POS[n % 16] in place of n % 16). Pair panels: at ((n // 16) * k2 + c // 2) * 32 +
+        # (n % 16) * 2 + c % 2.
         if self._row_offsets is None:
             c = torch.arange(self.in_features, device=self.packed.device)
-            self._row_offsets = c * PANEL if self.panels else (c // 2) * self.packed.shape[2] + c % 2
+            self._row_offsets = c * PANEL if self.panels else (c // 2) * (2 * PANEL) + c % 2
             self._lane_pos = torch.tensor(BF16_PANEL_POS, device=self.packed.device)
         if self.panels:
             lane = ids % PANEL
@@ -266,8 +261,7 @@ class Linear:
                 return torch.take(self.packed, base[:, None] + self._row_offsets[None, :]).float()
             base = (ids // PANEL) * (self.in_features * PANEL) + lane
         else:
-            cols = PAIR_GROUP * PANEL
-            base = (ids // cols) * (self.packed.shape[1] * self.packed.shape[2]) + (ids % cols) * 2
+            base = (ids // PANEL) * (self.packed.shape[1] * 2 * PANEL) + (ids % PANEL) * 2
         return torch.take(self.packed, base[:, None] + self._row_offsets[None, :])
 
     def fp32(self, x: torch.Tensor, out: OutputBuffer | None = None) -> torch.Tensor:

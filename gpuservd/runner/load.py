@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from gpuservd.errors import StoreCorrupt
 from gpuservd.runner import panel_arena
-from gpuservd.runner.linear import PAIR_GROUP, PANEL, Linear, onednn_available, packed_enabled
+from gpuservd.runner.linear import Linear, onednn_available, packed_enabled
 from gpuservd.runner.panel_arena import PanelArena
 from gpuservd.runner.model_config import ModelArch
 from gpuservd.runner.model_weights import LayerGate, LayerWeights, ModelWeights
@@ -250,13 +250,11 @@ def layer_panel_bytes(source, arch: ModelArch, dtype: torch.dtype) -> int:
     """What the layers' packed weights take in a load's arena (panel_arena.py), from the tensor shapes; an
     upper bound (fp32 panels of a bf16-exact weight come out half this)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    out_multiple = PANEL if dtype == torch.float32 else PAIR_GROUP * PANEL  # column panels, else pair groups
     total = 0
     for i in range(arch.num_layers):
         for what, names in layer_groups(arch, i).items():
             if what in ("qkv", "o_proj", "gate_up", "down"):
-                total += panel_arena.panel_bytes(sum(source.shape(n)[0] for n in names), source.shape(names[0])[1],
-                                                 elem, out_multiple)
+                total += panel_arena.panel_bytes(sum(source.shape(n)[0] for n in names), source.shape(names[0])[1], elem)
     return total
 
 

@@ -47,10 +47,10 @@ def huge_pages_on() -> bool:
     return switch_on(HUGE_PAGES_SWITCH)
 
 
-def panel_bytes(n: int, k: int, element_size: int, out_multiple: int = 16) -> int:
-    """What the arena gives the panels of an [n, k] weight, aligned: out padded to a multiple of
-    out_multiple (column panels: 16; pair panels: 48, their groups of three) and in to even."""
-    return -(-(-(-n // out_multiple) * out_multiple * (k + k % 2) * element_size) // ALIGN) * ALIGN
+def panel_bytes(n: int, k: int, element_size: int) -> int:
+    """What the arena gives the panels of an [n, k] weight (either layout: out padded to whole panels of
+    16, pair panels also in to even), aligned."""
+    return -(-(-(-n // 16) * 16 * (k + k % 2) * element_size) // ALIGN) * ALIGN
 
 
 class PanelArena:

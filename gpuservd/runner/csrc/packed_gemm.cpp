@@ -6,43 +6,30 @@
 // SmolLM2's 576-wide rows that is 18 vdpbf16ps per accumulator and then a
 // reduction as long as a third of them: at 32 decode rows it ran at ~60% of
 // the dot-product peak. Here W is repacked once at load time so that one
-// 64-byte vector holds, for 16 consecutive output columns (a panel), the two
-// weights of one pair of input positions, and vdpbf16ps(acc, W pair vector,
-// broadcast of x[m][2kk], x[m][2kk+1]) adds both products into output column
-// j's lane: an outer product with no reduction at all (the layout oneDNN's
-// brgemm uses for bf16).
+// 64-byte vector holds, for 16 consecutive output columns, the two weights of
+// one pair of input positions:
 //
-// The kernel works on groups of NV = 3 panels (48 columns), and the packing
-// interleaves a group's panels pair step by pair step:
+//     packed[p][kk][2 * j + e] = W[16 * p + j][2 * kk + e]     (p: panel, j < 16, e < 2)
 //
-//     packed[g][kk][32 * v + 2 * j + e] = W[48 * g + 16 * v + j][2 * kk + e]   (v < 3, j < 16, e < 2)
+// and vdpbf16ps(acc, W pair vector, broadcast of x[m][2kk], x[m][2kk+1])
+// adds both products into output column j's lane: an outer product with no
+// reduction at all (the layout oneDNN's brgemm uses for bf16). The panel of
+// 16 columns is contiguous along `in`, so it streams like a row of gemv. The
+// packing pads `out` to a multiple of 16 and `in` to an even count with zeros
+// (runner/linear.py does it with a torch permute); x of odd width is copied
+// to an even one here, so a padded pair never multiplies garbage (NaN * 0).
 //
-// so a group's three vectors of one pair step are adjacent and the whole
-// matrix is read front to back as one sequential stream. Panel by panel (each
-// panel contiguous along `in`, the group's three panels 18 KB apart at in =
-// 576) the kernel read three interleaved streams, which this core's hardware
-// prefetcher keeps up with worse than with one: over 30 layers of SmolLM2's
-// four matmuls (1 thread, CPU time) a 1-row pass took 10.4 ms against 7.3
-// for the interleaved one and 7.6 for a plain sum over the same bytes. The
-// packing pads `out` to a multiple of 48 and `in` to an even count with
-// zeros (runner/linear.py does it with a torch permute); x of odd width is
-// copied to an even one here, so a padded pair never multiplies garbage
-// (NaN * 0).
-//
-// Work split: each thread takes a contiguous range of groups (its part of W,
+// Work split: each thread takes a contiguous range of panels (its part of W,
 // streamed from DRAM once per chunk of up to kMc rows of x), and within it
-// each group against blocks of MR rows of x: MR * NV accumulators, NV vector
-// loads of W and MR broadcasts per pair step. A group's slice of W (in * 96
-// bytes, 55 KB at in = 576) is re-read from L2 by every row block after the
-// first; the chunk of x (kMc rows) stays in L2 across the groups. From
-// kPrefetchRows rows up a group's vdpbf16ps take about as long as its read, and
-// the next group is prefetched into L2 while this one is computed; below, the
-// hardware prefetcher alone keeps the one stream ahead.
+// groups of NV panels against blocks of MR rows of x: MR * NV accumulators,
+// NV vector loads of W and MR broadcasts per pair step. A panel group's slice
+// of W (NV * in * 32 bytes, 55 KB at in = 576) is re-read from L2 by every
+// row block after the first; the chunk of x (kMc rows) stays in L2 across the
+// panel groups.
 //
 // Numerics as in gemv's dot-product kernel: bf16 products exact in fp32,
 // fp32 accumulation (the instruction flushes denormals), bias added in fp32,
-// one round to nearest even at the end. Each accumulator sums its pair steps
-// in order, whatever the layout, so the results do not depend on it.
+// one round to nearest even at the end.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -66,16 +53,9 @@
 namespace {
 
 constexpr int64_t kPanel = 16;   // output columns per panel (fp32 lanes of one zmm)
-constexpr int64_t kGroup = 3;    // panels per group: the tile's NV, and the packing's interleave
 constexpr int64_t kMc = 64;      // rows of x per chunk (kept in L2 across the panel groups)
 // Below this many weight bytes the call runs on the calling thread.
 constexpr int64_t kParallelBytes = 256 << 10;
-// Rows of x (a chunk's) from which a group's vdpbf16ps take about as long as its read, and the next group
-// is prefetched into L2 while this one is computed. Over 30 layers of SmolLM2 (1 thread, CPU time, the
-// prefetch on from 2 rows against from 100, alternated three times): 2 rows 11.0-12.3 ms with it,
-// 7.8-8.8 without; 5 rows 10.7-11.3 / 8.9-10.3; 6 rows level (9.8-10.5 / 9.4-10.8); 8 rows 9.9-10.5 /
-// 10.8-14.2. Below it the prefetches only compete with the hardware prefetcher's one stream.
-constexpr int64_t kPrefetchRows = 6;
 
 bool packed_available() {
 #if GPUSERV_PACKED
@@ -86,9 +66,8 @@ bool packed_available() {
 }
 
 #if GPUSERV_PACKED
-// MR rows of x against the first NV panels of a group over all K2 pairs (wp: the group's vectors, kGroup
-// a pair step). x rows: int32 pairs at xp + m * ldx2. Output: bf16 at y, or (y == nullptr) fp32 at yf,
-// both with row stride ldy.
+// MR rows of x against NV panels over all K2 pairs. x rows: int32 pairs at xp + m * ldx2.
+// Output: bf16 at y, or (y == nullptr) fp32 at yf, both with row stride ldy.
 template <int MR, int NV>
 inline void micro(const int32_t* __restrict xp, int64_t ldx2, const __m512i* __restrict wp, int64_t K2,
                   const uint16_t* bias, uint16_t* __restrict y, float* __restrict yf, int64_t ldy, int64_t ncols,
@@ -96,14 +75,14 @@ inline void micro(const int32_t* __restrict xp, int64_t ldx2, const __m512i* __r
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  // pf: the next group's W, pf_lines 64-byte lines of it fetched into L2 over this call.
+  // pf: the next panel group's W, pf_lines 64-byte lines of it fetched into L2 over this call.
   const int64_t pf_per = (pf_lines + K2 - 1) / K2;  // lines per pair step (0 without pf)
   int64_t pf_done = 0;
   for (int64_t kk = 0; kk < K2; ++kk) {
     for (int64_t i = 0; i < pf_per && pf_done < pf_lines; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(pf + pf_done++), _MM_HINT_T1);
     __m512i w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wp + kk * kGroup + v);
+    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wp + v * K2 + kk);
     for (int m = 0; m < MR; ++m) {
       const __m512i xb = _mm512_set1_epi32(xp[m * ldx2 + kk]);
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], (__m512bh)w[v], (__m512bh)xb);
@@ -158,26 +137,26 @@ void rows_nv(int64_t rows, const int32_t* xp, int64_t ldx2, const __m512i* wp, i
   }
 }
 
-// Groups [g0, g1) against all rows of x, in chunks of kMc rows.
-void groups(int64_t g0, int64_t g1, int64_t M, const int32_t* xp, int64_t ldx2, const __m512i* w, int64_t K2,
+// Panels [p0, p1) against all rows of x, in chunks of kMc rows.
+void panels(int64_t p0, int64_t p1, int64_t M, const int32_t* xp, int64_t ldx2, const __m512i* w, int64_t K2,
             const uint16_t* bias, uint16_t* y, float* yf, int64_t N) {
-  constexpr int64_t kCols = kGroup * kPanel;
+  constexpr int64_t NV = 3;
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t rows = std::min(kMc, M - m0);
     const int32_t* xc = xp + m0 * ldx2;
     uint16_t* yc = y ? y + m0 * N : nullptr;
     float* yfc = y ? nullptr : yf + m0 * N;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t ncols = std::min(N - g * kCols, kCols);
-      const int64_t nv = (ncols + kPanel - 1) / kPanel;
-      const __m512i* wp = w + g * K2 * kGroup;
-      const uint16_t* bp = bias ? bias + g * kCols : nullptr;
-      uint16_t* yp = yc ? yc + g * kCols : nullptr;
-      float* yfp = yc ? nullptr : yfc + g * kCols;
+    for (int64_t p = p0; p < p1; p += NV) {
+      const int64_t nv = std::min(NV, p1 - p);
+      const int64_t ncols = std::min(N - p * kPanel, nv * kPanel);
+      const __m512i* wp = w + p * K2;
+      const uint16_t* bp = bias ? bias + p * kPanel : nullptr;
+      uint16_t* yp = yc ? yc + p * kPanel : nullptr;
+      float* yfp = yc ? nullptr : yfc + p * kPanel;
       // Prefetch the next group of this range (only on the chunk's first pass, when W comes from DRAM).
-      const bool pf_on = m0 == 0 && g + 1 < g1 && rows >= kPrefetchRows;
-      const __m512i* pf = pf_on ? wp + K2 * kGroup : nullptr;
-      const int64_t pf_lines = pf ? K2 * kGroup : 0;
+      const int64_t next = std::min(NV, p1 - (p + NV));
+      const __m512i* pf = (m0 == 0 && next > 0) ? w + (p + NV) * K2 : nullptr;
+      const int64_t pf_lines = pf ? next * K2 : 0;
       if (nv == 3) rows_nv<3>(rows, xc, ldx2, wp, K2, bp, yp, yfp, N, ncols, pf, pf_lines);
       else if (nv == 2) rows_nv<2>(rows, xc, ldx2, wp, K2, bp, yp, yfp, N, ncols, pf, pf_lines);
       else rows_nv<1>(rows, xc, ldx2, wp, K2, bp, yp, yfp, N, ncols, pf, pf_lines);
@@ -186,7 +165,7 @@ void groups(int64_t g0, int64_t g1, int64_t M, const int32_t* xp, int64_t ldx2, 
 }
 #endif
 
-// y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in the pair-panel layout, [ceil(N/48), ceil(K/2), 96].
+// y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in the pair-panel layout, [ceil(N/16), ceil(K/2), 32].
 // fp32_out: y in fp32, the accumulators unrounded (the LM head: logits without a bf16 rounding,
 // which turned near-ties between tokens into exact ties).
 // into: where to write y (packed_linear_out: a buffer reused step after step), else a new tensor.
@@ -196,11 +175,11 @@ at::Tensor packed_linear_into(const at::Tensor& x, const at::Tensor& packed, int
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "packed_linear: bf16 x and weight only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kGroup * 32 && packed.is_contiguous(),
-              "packed_linear: weight must be a contiguous pair-panel tensor [G, K/2, 96], got ", packed.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 32 && packed.is_contiguous(),
+              "packed_linear: weight must be a contiguous pair-panel tensor [P, K/2, 32], got ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x must be [M, K] with unit column stride");
-  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), K2 = packed.size(1);
-  TORCH_CHECK((K + 1) / 2 == K2 && N > 0 && (N + kGroup * kPanel - 1) / (kGroup * kPanel) == G,
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), K2 = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == K2 && N > 0 && (N + kPanel - 1) / kPanel == P,
               "packed_linear: x is [", M, ", ", K, "] but the weight packs [", N, ", ", 2 * K2, "]");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
@@ -227,9 +206,11 @@ at::Tensor packed_linear_into(const at::Tensor& x, const at::Tensor& packed, int
   const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   uint16_t* yp = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
   float* yfp = fp32_out ? y.data_ptr<float>() : nullptr;
-  const int64_t wbytes = G * K2 * kGroup * 64;
-  at::parallel_for(0, G, wbytes < kParallelBytes ? G : 1, [&](int64_t g0, int64_t g1) {
-    groups(g0, g1, M, xp, ldx2, wp, K2, bp, yp, yfp, N);
+  const int64_t wbytes = P * K2 * 64;
+  // Whole groups of 3 panels per thread, so only the last range has a short group.
+  const int64_t groups = (P + 2) / 3;
+  at::parallel_for(0, groups, wbytes < kParallelBytes ? groups : 1, [&](int64_t g0, int64_t g1) {
+    panels(g0 * 3, std::min(P, g1 * 3), M, xp, ldx2, wp, K2, bp, yp, yfp, N);
   });
 #endif
   return y;
