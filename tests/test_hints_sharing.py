@@ -6,9 +6,10 @@ The traffic: `chat` gets a request alone, then one while `batch` works on a long
 chat's is done), several times over, so chat's steps alone and beside the neighbour interleave and see the
 same machine.
 
-Why the condition is certain and not a matter of how busy the machine is: on a CPU every model is in one
-time-sliced group, so a best-effort model whose 50 ms quantum runs out between two layers waits, inside its
-step, for its neighbour's turn. With shares 0.2 and 0.8 that turn lasts until the neighbour's virtual time
+Why the condition is certain and not a matter of how busy or fast the machine is: on a CPU every model is in
+one time-sliced group, so a best-effort model whose 50 ms quantum runs out between two layers waits, inside
+its step, for its neighbour's turn, and chat's request beside the neighbour is sized in the machine's own
+step time to outlast the credit chat brings from its idle spell (SHARED_CHAT_S). With shares 0.2 and 0.8 that turn lasts until the neighbour's virtual time
 (run time / share) catches up: about 4 quanta, which the arbiter measures on the wall clock, so a slower
 machine only lengthens it. Such a step is shared (the neighbour steps during it) and takes over 200 ms
 where chat's short steps alone take about 10, so P99 shared / P99 alone is far above 2 at any machine
@@ -35,6 +36,7 @@ quantum; why a CPU cannot make it fire is in gpuservd/hints/rules_device.py.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -45,7 +47,17 @@ from inprocess_app import run_in_app
 
 CHAT_TOKENS = 14  # each chat request: a prefill and 13 decode steps, one request at a time
 LONG_PROMPT = "the capital of france is paris and the capital of italy is rome " * 9  # a prefill of 236 tokens
-NEIGHBOUR_TOKENS = 400  # far more than it can do while one chat request runs; it is cancelled after that
+# The firing side's request beside the neighbour lasts this long in chat's own steps (at its step time alone,
+# measured in the run). Arriving after an idle spell, chat is credited up to VTIME_BOUND_QUANTA quanta of
+# virtual time against batch (0.5 s at share 0.2 and 50 ms quanta: about 0.1 s of its running) and keeps
+# the device until that credit is spent; a request shorter than the credit, as 14 tokens are on a machine
+# twice as fast as this one, never gives way in the middle of its work and its steps beside batch cost what
+# they cost alone. Three times the credit in the machine's own step time makes it give way on any machine;
+# at most SHARED_CHAT_TOKENS, so that batch, which steps 4-5 times as often meanwhile (shares 0.8 / 0.2: 350-460
+# steps beside chat's 77-95 here), is still busy when chat's request ends.
+SHARED_CHAT_S = 0.3
+SHARED_CHAT_TOKENS = 100
+NEIGHBOUR_TOKENS = 1500  # far more than it can do while one chat request runs; it is cancelled after that
 # The rule reads the step records of its last step_span_s seconds; on a loaded machine the traffic can last
 # longer than that, so the test counts and compares only what the rule saw (the traffic stops once that span,
 # less a margin for the last cycle, holds enough steps of each kind).
@@ -56,11 +68,11 @@ SPAN_S = Thresholds().step_span_s
 def deep_model_dir(tmp_path_factory):
     """A small Llama of 16 layers: its forward is most of its step, so a quantum that runs out during a step
     mostly runs out between two layers (inside the step record) rather than between two steps; 42 MB of
-    fp32 weights, more than the last level cache holds."""
+    fp32 weights, more than the last level cache holds; 2048 positions for the neighbour's long request."""
     from factories import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("deep-llama"), num_hidden_layers=16, hidden_size=256,
-                          intermediate_size=512)
+                          intermediate_size=512, max_position_embeddings=2048)
 
 
 @pytest.fixture
@@ -76,7 +88,7 @@ def two_models(tmp_path, monkeypatch, deep_model_dir):
 def config(chat: dict, batch: dict) -> dict:
     # bandwidth priority off: the time slices alone decide who runs (its throttle paces the neighbour too)
     # prefix caching off: every chat request prefills its whole prompt
-    return {"engine": {"kv_cache_bytes": "16MiB", "block_size": 16, "num_threads": 1, "prefix_caching": False},
+    return {"engine": {"kv_cache_bytes": "32MiB", "block_size": 16, "num_threads": 1, "prefix_caching": False},
             "server": {"models": ["chat", "batch"]},
             "sharing": {"quantum_ms": 50, "bandwidth_priority": False, "models": {"chat": chat, "batch": batch}}}
 
@@ -93,9 +105,11 @@ def enough_steps(events: list[dict]) -> bool:
     return len(shared) >= 20 and len(alone) >= 20
 
 
-def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0):
+def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0, shared_chat_s: float = 0.0):
     """`cycles` times: a chat request alone, then one while batch has a long request running (cancelled once
-    chat's is done and batch has made neighbour_after more steps alone); more cycles (up to 3 times as many)
+    chat's is done and batch has made neighbour_after more steps alone); with shared_chat_s, chat's request
+    beside batch asks for as many tokens as its decode steps alone (the median so far) take in that time,
+    CHAT_TOKENS at least; more cycles (up to 3 times as many)
     while the records do not yet hold enough steps of each kind, as on a loaded machine where fewer of
     chat's steps fall inside one of batch's. result gets the active hints, the rules' status and the events
     the bus carried."""
@@ -122,6 +136,13 @@ def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0):
             while not done():
                 await asyncio.sleep(0.002)
 
+        def shared_tokens() -> int:
+            if not shared_chat_s:
+                return CHAT_TOKENS
+            decodes = sorted(e["wall_s"] for e in list(events)
+                             if e["type"] == "step" and e["model"] == "chat" and not e["num_prefill_tokens"])
+            return max(CHAT_TOKENS, min(SHARED_CHAT_TOKENS, math.ceil(shared_chat_s / decodes[len(decodes) // 2])))
+
         for i in range(3 * cycles):
             if i >= cycles and enough_steps(events):
                 break
@@ -130,7 +151,7 @@ def traffic(result: dict, cycles: int, prompt: str, neighbour_after: int = 0):
             job = asyncio.ensure_future(ask("batch", NEIGHBOUR_TOKENS))
             await until(lambda: job.done() or count("step", "batch") > stepped)  # the neighbour is stepping
             assert not job.done(), job.result()
-            await ask("chat", CHAT_TOKENS)
+            await ask("chat", shared_tokens())
             stepped = count("step", "batch")
             await until(lambda: job.done() or count("step", "batch") >= stepped + neighbour_after)
             await cancel_batch()  # the neighbour's job ends with chat's request
@@ -168,7 +189,7 @@ def handoffs_within(events: list[dict], step: dict) -> list[tuple[str, str]]:
 
 def test_a_best_effort_model_beside_a_heavier_neighbour_fires_sharing_contention(two_models):
     got: dict = {}
-    run_in_app(traffic(got, 8, "hello there"), config({"share": 0.2, "class": "best_effort"},
+    run_in_app(traffic(got, 8, "hello there", shared_chat_s=SHARED_CHAT_S), config({"share": 0.2, "class": "best_effort"},
                                             {"share": 0.8, "class": "best_effort"}), load=["chat", "batch"])
     events = got["events"]
     chat, batch = steps(events, "chat"), steps(events, "batch")
