@@ -93,32 +93,33 @@ async def test_latency_preemption_and_cancel_through_the_pilot(daemon, long_burs
 
         await pilot.press("2")
         notes = lambda: [n.message for n in app._notifications]  # noqa: E731
-        for _ in range(5):
-            # A fresh burst whenever the daemon has nothing in flight: on a fast engine the first one may be
-            # over by now, and after a cancel that came too late the rest of a burst may have ended too.
-            if not in_flight(daemon):
-                burst(daemon.socket, n=8, max_tokens=1000)
-            await until(pilot, lambda: app.screen.query_one("#requests").row_count > 0,
-                        what=lambda: f"requests on screen (the daemon has {len(in_flight(daemon))} in flight)")
-            # The request furthest from its end, so it is likely still in flight when the cancel lands. One
-            # that has used up its preemptions runs to its end alone (a 1000-token request in well under a
-            # second), so the one chosen may still end between the screen's refresh and the cancel: the
-            # daemon then answers that it is no longer in flight, and the next one is tried.
-            shown = app.screen._shown
-            app.screen.query_one("#requests").move_cursor(row=min(range(len(shown)),
-                                                                   key=lambda i: shown[i]["num_output_tokens"]))
-            await pilot.pause()
-            victim = app.screen.selected()["request_id"]
-            await pilot.press("c")
-            assert isinstance(app.screen, ConfirmScreen)
-            await pilot.press("y")
-            await until(pilot, lambda: any(victim in m for m in notes()),
-                        what=lambda: f"the cancel to be answered (notes: {notes()})")
-            if any(f"cancelled {victim}" in m for m in notes()):
-                break
-            assert any(f"no request {victim} in flight" in m for m in notes()), notes()
-        else:
-            pytest.fail(f"every cancelled request had ended before its cancel landed (notes: {notes()})")
+        # The victim is certain to be in flight when the cancel lands: eight requests of 1000 tokens go ahead
+        # of it at a higher priority, and the pool holds one of them at a time (they take turns by
+        # preemption), so it waits in the queue until they are all done (priority is never crossed by
+        # remaining work or age: engine/policy.py), seconds even on a fast machine. A request already running
+        # may end between the screen's refresh and the cancel.
+        before = {r["request_id"] for r in in_flight(daemon)}
+        burst(daemon.socket, n=8, max_tokens=1000)
+        await until(pilot, lambda: len({r["request_id"] for r in in_flight(daemon)} - before) >= 8,
+                    what="the eight requests ahead of the victim")
+        burst(daemon.socket, n=1, max_tokens=1000, priority=-1)
+
+        def victim_shown():
+            return any(r.get("priority") == -1 for r in app.screen._shown)
+
+        await until(pilot, victim_shown, what=lambda: f"the victim on screen ({len(in_flight(daemon))} in flight)")
+        shown = app.screen._shown
+        app.screen.query_one("#requests").move_cursor(row=min(range(len(shown)),
+                                                               key=lambda i: shown[i].get("priority", 0)))
+        await pilot.pause()
+        victim = app.screen.selected()["request_id"]
+        assert app.screen.selected().get("priority") == -1
+        await pilot.press("c")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: any(victim in m for m in notes()),
+                    what=lambda: f"the cancel to be answered (notes: {notes()})")
+        assert any(f"cancelled {victim}" in m for m in notes()), notes()
         # Polled with the app's loop running: a blocking wait here would freeze the console under test.
         await until(pilot, lambda: victim not in {r["request_id"] for r in in_flight(daemon)}, timeout=10,
                     what="the daemon to drop the cancelled request")

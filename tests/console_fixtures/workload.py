@@ -21,13 +21,17 @@ SQUEEZED = {
 }
 
 
-def burst(socket_path, n: int = 6, max_tokens: int = 500, prompt: str = "the capital of france is") -> list[threading.Thread]:
-    """Start n streaming completions in threads (each reads its stream to the end); returns the threads."""
+def burst(socket_path, n: int = 6, max_tokens: int = 500, prompt: str = "the capital of france is",
+          priority: int | None = None) -> list[threading.Thread]:
+    """Start n streaming completions in threads (each reads its stream to the end), at `priority` when given
+    (else the tenant's); returns the threads."""
 
     def one() -> None:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://gpuserv",
                           timeout=120) as c:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            if priority is not None:
+                body["priority"] = priority
             try:
                 with c.stream("POST", "/v1/completions", json=body) as r:
                     for _ in r.iter_lines():
