@@ -11,6 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Idle engines commit their KV pools (kv_cache/prefault.py): the suite builds hundreds of engines with pools
+# of up to ~1.6 GB that would each be committed while a test waits; the tests of that mechanism turn it on.
+os.environ.setdefault("GPUSERV_KV_PREFAULT", "0")
+
 from factories import make_model_dir  # noqa: E402
 
 

@@ -38,6 +38,7 @@ from gpuservd.engine.calls import EngineFacts
 from gpuservd.engine.wakeup import Wakeup
 from gpuservd.errors import UserError
 from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
+from gpuservd.kv_cache.prefault import PoolCommitter
 from gpuservd.runner.omp import PoolPriority
 
 log = logging.getLogger("gpuservd.engine.loop")
@@ -291,6 +292,8 @@ class EngineLoop:
         if self.arbiter is not None:
             engine.yield_point = self.arbiter.between_layers
             engine.device_alone = self.arbiter.alone
+        # An idle CPU engine commits its KV pool's pages ahead of their first write (kv_cache/prefault.py).
+        committer = PoolCommitter.for_cache(getattr(getattr(engine, "runner", None), "cache", None))
         self._beat()
         self.ready.set_result(engine)
         while True:
@@ -298,9 +301,20 @@ class EngineLoop:
             if arbiter is not None and not engine.has_unfinished():
                 arbiter.idle()  # nothing to run: the device goes to the others now, not after a quantum
             with self._cond:
+                beat_at = time.monotonic() + IDLE_TICK_S
                 while not self._inbox and not self._stopping and not engine.has_unfinished():
-                    self._cond.wait(IDLE_TICK_S)
+                    if committer is not None and not committer.done:
+                        self._cond.release()  # submit() may post while a page is committed
+                        try:
+                            committer.commit_next()
+                        finally:
+                            self._cond.acquire()
+                        if time.monotonic() < beat_at:
+                            continue
+                    else:
+                        self._cond.wait(IDLE_TICK_S)
                     self._beat()
+                    beat_at = time.monotonic() + IDLE_TICK_S
                 if self.admission_window_s and not engine.has_unfinished() and not self._stopping:
                     self._gather()
                 cmds, self._inbox = self._inbox, []
