@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuservd.engine.loop import detail_events
+from gpuservd.engine.step_events import detail_events
 from gpuservd.events import EventBus
 from gpuservd.events import types as ev
 

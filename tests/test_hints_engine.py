@@ -34,7 +34,7 @@ import pytest
 from gpuservd.bench.sweep import run_sweep
 from gpuservd.config import EngineConfig, PreemptionConfig
 from gpuservd.engine.engine import LLMEngine
-from gpuservd.engine.loop import detail_events
+from gpuservd.engine.step_events import detail_events
 from gpuservd.engine.request import SamplingParams
 from gpuservd.hints.monitor import HintMonitor
 from gpuservd.hints.sweeps import latest_sweep

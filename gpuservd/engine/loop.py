@@ -31,13 +31,14 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from gpuservd.engine.calls import EngineFacts
+from gpuservd.engine.step_events import detail_events
 from gpuservd.engine.wakeup import Wakeup
 from gpuservd.errors import UserError
-from gpuservd.events.types import EngineError, Event, Preemption, StepRecord, Swap, SwapMove, Victim
+from gpuservd.events.types import EngineError, Event, StepRecord
 from gpuservd.kv_cache.prefault import PoolCommitter
 from gpuservd.runner.omp import PoolPriority
 
@@ -301,20 +302,7 @@ class EngineLoop:
             if arbiter is not None and not engine.has_unfinished():
                 arbiter.idle()  # nothing to run: the device goes to the others now, not after a quantum
             with self._cond:
-                beat_at = time.monotonic() + IDLE_TICK_S
-                while not self._inbox and not self._stopping and not engine.has_unfinished():
-                    if committer is not None and not committer.done:
-                        self._cond.release()  # submit() may post while a page is committed
-                        try:
-                            committer.commit_next()
-                        finally:
-                            self._cond.acquire()
-                        if time.monotonic() < beat_at:
-                            continue
-                    else:
-                        self._cond.wait(IDLE_TICK_S)
-                    self._beat()
-                    beat_at = time.monotonic() + IDLE_TICK_S
+                self._wait_for_work(engine, committer)
                 if self.admission_window_s and not engine.has_unfinished() and not self._stopping:
                     self._gather()
                 cmds, self._inbox = self._inbox, []
@@ -370,6 +358,24 @@ class EngineLoop:
             self._beat()
             if deliveries or events:
                 self._publish(deliveries, events)
+
+    def _wait_for_work(self, engine, committer: PoolCommitter | None) -> None:
+        """With the condition held, until there is something to do: commit the KV pool a page at a time
+        (the lock released for each, so submit() can post meanwhile), else sleep; beat every IDLE_TICK_S."""
+        beat_at = time.monotonic() + IDLE_TICK_S
+        while not self._inbox and not self._stopping and not engine.has_unfinished():
+            if committer is None or committer.done:
+                self._cond.wait(IDLE_TICK_S)
+            else:
+                self._cond.release()
+                try:
+                    committer.commit_next()
+                finally:
+                    self._cond.acquire()
+                if time.monotonic() < beat_at:
+                    continue
+            self._beat()
+            beat_at = time.monotonic() + IDLE_TICK_S
 
     def _gather(self) -> None:
         """Called with the condition held, the engine idle and the inbox non-empty."""
@@ -484,19 +490,3 @@ class EngineLoop:
     def _publish(self, deliveries: list, events: list[Event]) -> None:
         self._wakeup.post(self._on_post, deliveries, events)
 
-
-def detail_events(rec: StepRecord) -> list[Event]:
-    """A step's preemptions, KV swaps and the engine's own events as events of their own (for the console,
-    `gpuserv events` and the logs): the step record has them too, but one line per fact reads better."""
-    base = {"t": rec.t, "model": rec.model, "step_id": rec.step_id}
-    out: list[Event] = []
-    if rec.num_preempted:
-        out.append(Preemption(**base, num_preempted=rec.num_preempted, request_ids=list(rec.preempted_ids),
-                              victims=[Victim.from_json(v) for v in rec.preemptions]))
-    for m in rec.swaps:
-        move = SwapMove.from_json(m)
-        out.append(Swap(**base, request_id=move.request_id, direction=move.direction, blocks=move.blocks,
-                        host_layers=move.host_layers, bytes_moved=move.bytes_moved, bytes_parked=move.bytes_parked,
-                        seconds=move.seconds))
-    out.extend(replace(e, **base) for e in rec.events)
-    return out
