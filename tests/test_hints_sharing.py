@@ -9,8 +9,8 @@ same machine.
 Why the condition is certain and not a matter of how busy or fast the machine is: on a CPU every model is in
 one time-sliced group, so a best-effort model whose 50 ms quantum runs out between two layers waits, inside
 its step, for its neighbour's turn, and chat's request beside the neighbour is sized in the machine's own
-step time to outlast the credit chat brings from its idle spell (SHARED_CHAT_S). With shares 0.2 and 0.8 that turn lasts until the neighbour's virtual time
-(run time / share) catches up: about 4 quanta, which the arbiter measures on the wall clock, so a slower
+step time to outlast the credit chat brings from its idle spell (SHARED_CHAT_S). With shares 0.2 and 0.8
+that turn lasts until the neighbour's virtual time (run time / share) catches up: about 4 quanta, which the arbiter measures on the wall clock, so a slower
 machine only lengthens it. Such a step is shared (the neighbour steps during it) and takes over 200 ms
 where chat's short steps alone take about 10, so P99 shared / P99 alone is far above 2 at any machine
 speed. The test checks that cause in the records: the slowest shared step holds the handoffs to the

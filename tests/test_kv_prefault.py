@@ -3,7 +3,6 @@ pages are resident is read from the kernel with mincore(2); real pools, a real e
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 import time
@@ -17,18 +16,9 @@ from gpuservd.kv_cache.cache import CacheShape, KVCache
 
 from test_engine import make_engine
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
 def resident(t: torch.Tensor) -> float:
     """The share of the 4 KB pages under a contiguous tensor that are in memory."""
-    addr, n = t.data_ptr(), t.numel() * t.element_size()
-    start = addr - addr % 4096
-    pages = (addr + n - start + 4095) // 4096
-    vec = (ctypes.c_ubyte * pages)()
-    assert _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * 4096), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec) / pages
+    return prefault.resident_fraction(t.data_ptr(), t.numel() * t.element_size())
 
 
 def pool(mib: int) -> KVCache:

@@ -34,6 +34,7 @@ from gpuservd.config import EngineConfig
 from gpuservd.engine.agreement import measure_int8, summary_line
 from gpuservd.engine.engine import LLMEngine
 from gpuservd.engine.request import SamplingParams
+from gpuservd.kv_cache.prefault import resident_fraction
 from gpuservd.runner.load import SafetensorsReader, pipeline_enabled
 from gpuservd.runner.model_config import load_arch
 from gpuservd.store.store import ModelStore
@@ -65,13 +66,7 @@ def cached_fraction(path) -> float:
         if size == 0:
             return 0.0
         with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-            page = mmap.PAGESIZE
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-                return float("nan")
-            return sum(b & 1 for b in vec) / len(vec)
+            return resident_fraction(ctypes.addressof(ctypes.c_char.from_buffer(m)), size)
     except (OSError, AttributeError, ValueError, TypeError):
         return float("nan")
 

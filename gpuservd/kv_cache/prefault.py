@@ -47,6 +47,18 @@ def _libc_madvise():
     return _madvise
 
 
+def resident_fraction(addr: int, length: int) -> float:
+    """The share of the 4 KB pages under [addr, addr + length) that are in memory (mincore(2)); OSError
+    where the kernel refuses (an unmapped range)."""
+    start = addr - addr % PAGE
+    pages = (addr + length - start + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * PAGE), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) / pages
+
+
 def enabled() -> bool:
     return os.environ.get(PREFAULT_ENV, "1") != "0"
 
@@ -83,10 +95,9 @@ class PoolCommitter:
             return None
         return cls(cache)
 
-    def span(self, region: int, first: int, last: int) -> tuple[int, int]:
-        """(address, length) of blocks [first, last) of one region, widened to whole 4 KB pages."""
-        cache = self._ref()
-        base = cache.kv.data_ptr() if cache is not None else 0
+    def span(self, base: int, region: int, first: int, last: int) -> tuple[int, int]:
+        """(address, length) of blocks [first, last) of one region of the pool at `base`, widened to whole
+        4 KB pages."""
         start = base + (region * self.num_blocks + first) * self.block_bytes
         end = base + (region * self.num_blocks + last) * self.block_bytes
         start -= start % PAGE
@@ -102,7 +113,7 @@ class PoolCommitter:
             self.done = True
             return
         last = min(self.num_blocks, self.next_block + self.blocks_per_call)
-        addr, length = self.span(self.next_region, self.next_block, last)
+        addr, length = self.span(cache.kv.data_ptr(), self.next_region, self.next_block, last)
         if _libc_madvise()(addr, length, MADV_POPULATE_WRITE) != 0:
             log.debug("MADV_POPULATE_WRITE refused (%s): the KV pool stays committed on first write",
                       os.strerror(ctypes.get_errno()))
