@@ -114,6 +114,13 @@ class SchedulerConfig:
     # (a running long request makes the largest claim, so nothing of its size waits).
     defer_ratio: float = 2.0
     defer_min_running: int = 1
+    # srf's critical lane: the largest waiting request (prompt + max_tokens) is admitted ahead of the
+    # smaller ones, past the deferral, when it is larger than every running request. A burst ends when its
+    # longest request does, and that request's tokens come one a step whatever the batch: held back until
+    # the short ones are done, it runs its whole length on the narrow, bandwidth-bound steps at the end. In
+    # the lane it costs the short ones one slot of a batch of 8 or more sequences (narrower batches have
+    # no lane). Off while preemption is on (displacement gives shorter work the slot back at once).
+    critical_lane: bool = True
 
 
 @dataclass

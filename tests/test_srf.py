@@ -265,3 +265,44 @@ def test_bad_deferral_is_a_clear_error():
         with pytest.raises(UserError, match=r"scheduler.defer_ratio must be 0 \(off\) or > 1"):
             config_from_dict({"scheduler": bad})
     assert config_from_dict({"scheduler": {"defer_ratio": 0}}).scheduler.defer_ratio == 0
+
+
+# -- the critical lane: the largest request does not start last ---------------------------------------
+def lane_burst(eng, longs=(24,)):
+    """Longs (8 + n tokens) and ten shorts (8 + 3) waiting together, the longs first, in a batch of 8."""
+    for i, n in enumerate(longs):
+        eng.add_request(f"long{i}", prompt(i), params(n))
+    for i in range(10):
+        eng.add_request(f"short{i}", prompt(10 + i), params(3))
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_the_largest_request_takes_one_slot_from_the_start(tiny_model_dir, lane):
+    """With the lane, the largest waiting request starts at once beside seven shorts; the second long, no
+    larger than it, waits for the shorts as srf and the deferral say. Without it both longs wait. The
+    tokens are each request's own either way."""
+    eng = engine(tiny_model_dir, max_num_seqs=8, mode="off")
+    eng.config.scheduler.critical_lane = lane
+    lane_burst(eng, longs=(24, 20))
+    first, done, tokens, _ = run(eng)
+    shorts_done = max(done[f"short{i}"] for i in range(10))
+    assert (first["long0"] == 0) is lane
+    assert first["long1"] >= shorts_done - 1
+    assert min(first[f"short{i}"] for i in range(10)) == 0
+    alone = engine(tiny_model_dir, order="fcfs", mode="off", max_num_seqs=1)
+    lane_burst(alone, longs=(24, 20))
+    assert tokens == run(alone)[2]
+
+
+@pytest.mark.parametrize("case", ["narrow batch", "preemption on", "fcfs", "lower priority"])
+def test_no_lane_where_it_would_cost_more_than_a_slot(tiny_model_dir, case):
+    """No lane in a batch under 8 (one slot would be a large share of it), with preemption on (displacement
+    would give the slot straight back), under fcfs (arrival decides), or for a larger request of lower
+    priority than the queue's first (priority is never crossed)."""
+    eng = engine(tiny_model_dir, max_num_seqs=4 if case == "narrow batch" else 8,
+                 mode="on" if case == "preemption on" else "off", order="fcfs" if case == "fcfs" else "srf")
+    for i in range(10):
+        eng.add_request(f"short{i}", prompt(10 + i), params(3))
+    eng.add_request("long0", prompt(0), params(24), priority=-1 if case == "lower priority" else 0)
+    first, _, _, _ = run(eng)
+    assert first["long0"] > 0  # the shorts' turn came first (with a lane it would start at step 0)

@@ -8,6 +8,9 @@ The order of requests, most important first:
    aging, `WorkOrder`); `fcfs` leaves them equal here.
 3. tenants' shares, then `scheduler.policy`'s tie-break (arrival time, or priority then arrival).
 
+Under srf one request may pass the order: the critical lane's (`critical_request`), the largest one
+waiting when nothing as large runs, so that a burst's longest request does not start last.
+
 The scheduler only asks for keys, so a policy never touches KV or batches.
 """
 
@@ -61,3 +64,24 @@ class WorkOrder:
         if not self.srf:
             return 0.0
         return max(0.0, remaining_work(r) - self.aging * (step - r.arrival_step))
+
+
+# The critical lane in batches of at least this many sequences: it takes one slot from the shorter
+# requests, at most an eighth of the batch; in a narrower one it would take a large share of it.
+LANE_MIN_SEQS = 8
+
+
+def critical_request(waiting: list[Request], running: list[Request], skip: set[str]) -> Request | None:
+    """The request the critical lane admits ahead of the queue's order (scheduler.critical_lane): among the
+    waiting requests of the queue's first priority, the largest (prompt + max_tokens), when it is larger
+    than every running request. A burst ends when its longest request does, one token a step: left to the
+    end of the queue, it would run its whole length on the narrow steps after the shorter ones are done.
+    Sizes, not remaining work: a running request's remaining work shrinks a token a step, and by it every
+    waiting request of that size would come through the lane in turn."""
+    if not waiting:
+        return None
+    top = waiting[0].priority
+    cand = max((r for r in waiting if r.priority == top and r.request_id not in skip), key=total_work, default=None)
+    if cand is None or total_work(cand) <= max((total_work(r) for r in running), default=0):
+        return None
+    return cand

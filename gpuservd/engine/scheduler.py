@@ -12,8 +12,8 @@ A step's decision, in order:
    prefill chunk); one that needs a block when none is free takes it from a
    victim (the victim policy); with preemption off the victim is recomputed.
 4. Waiting requests are admitted (priority first, then the least remaining work
-   with aging under `order: srf` or arrival under fcfs: engine/policy.py) while
-   the token budget, the prefill budget,
+   with aging under `order: srf` or arrival under fcfs, the critical lane's
+   request first: engine/policy.py) while the token budget, the prefill budget,
    `max_num_seqs`, their tenant's quota and the KV pool allow. A swapped request
    comes back with a swap-in; a dropped one re-allocates its dropped blocks and
    rebuilds them with a prefix prefill.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 
 from gpuservd.config import Order, PreemptionConfig, SchedulerConfig
-from gpuservd.engine.policy import Policy, WorkOrder, queue_key, total_work
+from gpuservd.engine.policy import LANE_MIN_SEQS, Policy, WorkOrder, critical_request, queue_key, total_work
 from gpuservd.engine.preemption import (AutoMode, CostModel, Granularity, MoveKind, PreemptionMode,
                                         plan_kind)
 from gpuservd.engine.quota import UNLIMITED, TenantQuota
@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order
         self._step_id = 0
+        self._lane: set[str] = set()  # running requests the critical lane admitted (_critical)
 
     @property
     def preemption_on(self) -> bool:
@@ -384,12 +385,16 @@ class Scheduler:
         usable = self._usable_blocks()
         just_preempted = set(out.preempted_ids)
         reserved = self.reserved_blocks()
-        largest = max((total_work(r) for r in self.running), default=0)
-        for req in list(self.waiting):
+        # The lane's request is left out of the deferral's measure: beside it, the requests the deferral
+        # holds back until the short ones are done would no longer look large.
+        self._lane.intersection_update(r.request_id for r in self.running)
+        largest = max((total_work(r) for r in self.running if r.request_id not in self._lane), default=0)
+        lane = self._critical(just_preempted)
+        for req in ([lane] if lane else []) + [r for r in self.waiting if r is not lane]:
             if (token_budget <= 0 or prefill_budget <= 0 or prefill_seqs >= cfg.max_num_prefill_seqs
                     or len(self.running) >= cfg.max_num_seqs):
                 return
-            if req.request_id in just_preempted or self._deferred(req, largest):
+            if req.request_id in just_preempted or (req is not lane and self._deferred(req, largest)):
                 continue
             queried = self.kv.num_lookup_tokens(req)
             prefix = self.kv.find_cached_prefix(req)
@@ -405,6 +410,8 @@ class Scheduler:
             # A pinned request comes back only when all it will ever need fits beside the others' reserves.
             pinned = self.is_pinned(req)
             fit = max(need, self._total_blocks(req) - self.kv.num_device_blocks(req)) if pinned else need
+            if fit > room and req is lane:
+                continue  # the lane takes only what is free; the queue's order decides the rest
             if fit > room and not self._reclaim_from_waiting(req, fit - room, just_preempted):
                 return  # the pool is full: this request and those after it wait
             if not self._resume(out, req, num_new, prefix):
@@ -419,7 +426,10 @@ class Scheduler:
             if req.scheduled_time is None:
                 req.scheduled_time = req.admitted_time
             self.running.append(req)
-            largest = max(largest, total_work(req))
+            if req is lane:
+                self._lane.add(req.request_id)
+            else:
+                largest = max(largest, total_work(req))
             seqs[req.tenant] = seqs.get(req.tenant, 0) + 1
             blocks[req.tenant] = blocks.get(req.tenant, 0) + charge
             self._add_chunk(out, req, num_new)
@@ -428,6 +438,14 @@ class Scheduler:
                 prefill_budget -= num_new
                 prefill_seqs += 1
 
+    def _critical(self, skip: set[str]) -> Request | None:
+        """The critical lane's request this step (policy.critical_request), or None. Not while preemption
+        is on: displacement would hand the lane's slot straight back to shorter work."""
+        if (not self.order.srf or not self.config.critical_lane or self.preemption_on
+                or self.config.max_num_seqs < LANE_MIN_SEQS):
+            return None
+        return critical_request(self.waiting, self.running, skip)
+
     def _deferred(self, req: Request, largest: int) -> bool:
         """Whether admission passes `req` over this step: while at least `defer_min_running` sequences
         run (a compute-bound step, where a long request's row slows every shorter co-runner), a request
@@ -435,7 +453,7 @@ class Scheduler:
         or more. Sizes, not remaining work, on the running side: a running request's remaining work
         shrinks as it runs and would defer requests of its own size. Under fcfs every claim is 0."""
         cfg = self.config
-        if not self.order.srf or not cfg.defer_ratio or len(self.running) < cfg.defer_min_running:
+        if not self.order.srf or not cfg.defer_ratio or len(self.running) < cfg.defer_min_running or not largest:
             return False
         return self.claim(req) >= cfg.defer_ratio * largest
 
