@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuservd.bench.engine_run import _params, warm_up
+from gpuservd.bench.engine_run import _params, commit_kv_pool, warm_up
 from gpuservd.bench.random_model import LlamaShape, ensure_random_llama
 from gpuservd.bench.workload import load_workload
 from gpuservd.config import load_config
@@ -217,6 +217,7 @@ def main() -> None:
         cfg.model = ensure_random_llama(store, "sim-tiny", SIM_SHAPE)
         cfg.dtype = "float32"
     engine = LLMEngine(cfg.model, store.path(cfg.model), cfg)
+    commit_kv_pool(engine)  # as the daemon's idle loop does before a burst arrives
     tok = engine.tokenizer
     requests = workload.materialize(len(tok), sorted(engine.eos_token_ids), tokenize=lambda s: tok.encode(s))
     warm_up(engine)

@@ -88,3 +88,17 @@ def test_an_idle_engine_loop_commits_its_pool_and_still_serves(tiny_model_dir, m
         assert sum(len(o.new_token_ids) for o in got) == 5
     finally:
         loop.stop()
+
+
+def test_the_bench_commits_its_in_process_engines_pool_as_the_idle_daemon_does(tiny_model_dir, monkeypatch):
+    from gpuservd.bench.engine_run import commit_kv_pool
+
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=16 << 20)
+    kv = engine.runner.cache.kv
+    assert commit_kv_pool(engine) == 0  # GPUSERV_KV_PREFAULT=0 (the suite's setting): left lazy, as the daemon would
+    monkeypatch.setenv(prefault.PREFAULT_ENV, "1")
+    before = resident(kv)
+    assert commit_kv_pool(engine) >= kv.numel() * kv.element_size() * (1 - before)
+    assert resident(kv) == 1.0
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0]) == 3  # and it serves

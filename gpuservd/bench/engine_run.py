@@ -12,12 +12,26 @@ import time
 from typing import Sequence
 
 from gpuservd.bench.records import RequestTiming, SystemRun
+from gpuservd.kv_cache.prefault import PoolCommitter
 from gpuservd.engine.request import SamplingParams
 
 
 def _params(max_tokens: int):
     # Forced lengths, greedy, no text: the same work the peers are asked to do.
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def commit_kv_pool(engine) -> int:
+    """Commit the engine's CPU KV pool before a replay, as the daemon's idle engine loop does before
+    traffic arrives (kv_cache/prefault.py); returns the bytes committed (0 where GPUSERV_KV_PREFAULT=0 or
+    the pool is not on the CPU). A fresh in-process engine would otherwise pay the pool's first-write
+    faults inside the burst's steps (~0.5 s of the mixed burst's short phase on the 2-core VM) that
+    the daemon it is compared with has already paid while idle."""
+    committer = PoolCommitter.for_cache(getattr(getattr(engine, "runner", None), "cache", None))
+    if committer is None:
+        return 0
+    committer.commit_all()
+    return committer.num_committed_bytes
 
 
 def warm_up(engine) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from gpuservd.bench import peers as peer_mod
 from gpuservd.bench.chat import expected_prefix_hits
-from gpuservd.bench.engine_run import batch1_decode_step_s, run_gpuserv
+from gpuservd.bench.engine_run import batch1_decode_step_s, commit_kv_pool, run_gpuserv
 from gpuservd.bench.gpuserv_http import SYSTEM as GPUSERV_HTTP, run_gpuserv_http
 from gpuservd.bench.http_peers import HTTP_PEERS, run_http_peer
 from gpuservd.bench.peer_job import PeerJob, PeerUnavailable
@@ -143,6 +143,7 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
         t_load = time.perf_counter()
         engine = LLMEngine(c.model, model_dir, c)
         load_s = time.perf_counter() - t_load
+        committed = commit_kv_pool(engine)  # outside load_s: the daemon does it idle, after ready
         if requests is None:
             tok = engine.tokenizer
             requests = workload.materialize(len(tok), sorted(engine.eos_token_ids), tokenize=lambda s: tok.encode(s))
@@ -160,6 +161,7 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
             run.system = run_name
             run.extra["foreign_cpu_share"] = load.share
             run.extra["engine_load_s"] = load_s
+            run.extra["kv_pool_committed_mib"] = round(committed / 2**20, 1)
             run.extra["config"] = dataclasses.asdict(c)
             run.extra["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
             hits, queries = expected_prefix_hits([r.prompt_token_ids for r in sorted(reqs, key=lambda r: r.arrival_s)],
