@@ -12,8 +12,8 @@ import time
 from typing import Sequence
 
 from gpuservd.bench.records import RequestTiming, SystemRun
-from gpuservd.kv_cache.prefault import PoolCommitter
 from gpuservd.engine.request import SamplingParams
+from gpuservd.kv_cache.prefault import PoolCommitter
 
 
 def _params(max_tokens: int):
