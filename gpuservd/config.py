@@ -75,7 +75,7 @@ class MoveKind(Choice, setting="preemption.kind"):
     RECOMPUTE = "recompute"  # drop the oldest blocks; rebuilt by a prefix prefill on resume
 
 
-ISOLATIONS = ("thread", "process")  # engine.isolation: where the daemon runs each model's engine
+ISOLATIONS = ("auto", "thread", "process")  # engine.isolation: where the daemon runs each model's engine
 
 
 @dataclass
@@ -201,8 +201,9 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None = the model's (and its sliding window)
     telemetry_ring_size: int = 4096  # per-step records kept in memory
     prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (kv_cache/prefix_cache.py)
-    isolation: str = "thread"  # the daemon's: thread (an engine thread of its process) | process (an engine
-    # worker process per model: fault isolation, and what MPS confines); sharing.backend mps implies process
+    isolation: str = "auto"  # the daemon's: thread (an engine thread of its process) | process (an engine
+    # worker process per model: fault isolation, and what MPS confines; sharing.backend mps implies it) | auto
+    # (a process for a CPU model that needs nothing of the thread, else a thread: SharingManager.isolation)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)

@@ -21,8 +21,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
+# Engine threads, not the default's worker process per CPU model: a worker is a fresh interpreter that
+# imports torch (~2 s a load), and these modules test the daemon around its engine, wherever it runs. The
+# worker path has its own modules (test_engine_workers.py, test_workers_inprocess.py), auto included.
 BASE_CONFIG = {
-    "engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1},
+    "engine": {"kv_cache_bytes": "4MiB", "block_size": 4, "num_threads": 1, "isolation": "thread"},
     "server": {"models": ["tiny"]},
 }
 

@@ -40,6 +40,8 @@ def run_in_app(check, config: dict, load=(), prepare=None) -> None:
     from gpuservd.serving.serving import Serving
     from gpuservd.serving.tenants import TenantMap
 
+    config = {**config, "engine": {"isolation": "thread", **config.get("engine", {})}}  # as daemon_harness
+
     async def main():
         metrics = Metrics()
         serving = Serving(daemon_config_from_dict(config), TenantMap(), metrics)

@@ -9,6 +9,7 @@ the status that reports it, never that SMs were partitioned.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -101,10 +102,85 @@ def test_a_variant_is_refused_in_a_worker_process(store_home):
     run_in_app(check, {"engine": {**ENGINE, "isolation": "process"}, "server": {"models": []}})
 
 
+def test_auto_isolation_puts_a_cpu_model_in_a_worker_and_its_variant_on_a_thread(store_home):
+    """The default, engine.isolation: auto, on a CPU: the base model's engine runs in a worker process (it
+    serves, its pid is a live child of this process), and a variant, which runs on its base's weights in the
+    daemon's memory, gets an engine thread instead of the error an explicit `process` gives it."""
+    from test_variants import derive
+
+    derive(store_home, "tiny-lora")
+
+    async def check(client, serving):
+        for name in ("tiny", "tiny-lora"):
+            r = await client.post("/v1/completions", json={**BODY, "model": name})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
+        models = {m["name"]: m for m in (await client.get("/admin/status")).json()["models"]}
+        assert models["tiny"]["isolation"] == "process" and models["tiny"]["state"] == "ready"
+        assert environ(models["tiny"]["worker_pid"])  # a live process of ours
+        assert models["tiny-lora"]["isolation"] == "thread" and models["tiny-lora"]["worker_pid"] is None
+        assert list(serving.sharing.isolated) == ["tiny"]
+
+    run_in_app(check, {"engine": {**ENGINE, "isolation": "auto"}, "server": {"models": []}})
+
+
+def test_a_load_takes_the_spare_worker_started_ahead_and_a_new_one_waits_after_unload(store_home):
+    """A worker started ahead (worker/spare.py) is what the next worker load runs in: the model's worker pid
+    is the spare's, started before the load. Once the model leaves, another spare waits, and the next load
+    takes that one. Stopping the engines ends and reaps the spare. Engine threads get no spare."""
+    import time
+    from pathlib import Path
+
+    seen: dict = {}
+
+    def first_spare(serving):
+        seen["spare"] = serving.models.spare.pid
+
+    async def check(client, serving):
+        models = serving.models
+        r = await client.post("/v1/completions", json={**BODY, "model": "tiny"})
+        assert r.status_code == 200, r.text
+        assert models.slots["tiny"].loop.pid == seen["spare"] and models.spare.pid is None
+        await serving.unload("tiny")
+        deadline = time.monotonic() + 30
+        while models.spare.pid is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        spare = models.spare.pid
+        assert spare is not None and spare != seen["spare"] and environ(spare)
+        r = await client.post("/v1/completions", json={**BODY, "model": "tiny"})
+        assert r.status_code == 200 and models.slots["tiny"].loop.pid == spare
+        await serving.unload("tiny")
+        while models.spare.pid is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        seen["last"] = models.spare.pid
+
+    run_in_app(check, {"engine": {**ENGINE, "isolation": "auto"}, "server": {"models": []}}, prepare=first_spare)
+    assert seen["spare"] and seen["last"] and not Path(f"/proc/{seen['last']}").exists()  # ended and reaped
+
+    async def no_spare(client, serving):
+        assert serving.models.spare is None
+
+    run_in_app(no_spare, {"engine": {**ENGINE, "isolation": "thread"}, "server": {"models": []}})
+
+
+def test_auto_isolation_keeps_engine_threads_where_the_arbiter_is_asked_for(two_models):
+    """With shares or classes in sharing.models the arbiter has something to enforce, and it paces engine
+    threads only: auto then keeps every model on a thread, time-sliced as configured."""
+    async def check(client, serving):
+        r = await client.post("/v1/completions", json={**BODY, "model": "tiny2"})
+        assert r.status_code == 200
+        st = (await client.get("/admin/status")).json()
+        assert {m["name"]: m["isolation"] for m in st["models"]} == {"tiny": "thread", "tiny2": "thread"}
+        assert not serving.sharing.isolated
+
+    run_in_app(check, {"engine": {**ENGINE, "isolation": "auto"}, "server": {"models": ["tiny", "tiny2"]},
+                       "sharing": {"models": {"tiny": {"share": 0.6, "class": "latency_critical"},
+                                              "tiny2": {"share": 0.4}}}}, load=["tiny", "tiny2"])
+
+
 def test_isolation_setting_names_its_choices():
     assert daemon_config_from_dict({"engine": {"isolation": "process"}}).engine.isolation == "process"
-    assert daemon_config_from_dict({}).engine.isolation == "thread"
-    with pytest.raises(UserError, match="engine.isolation must be one of thread, process, got 'fork'"):
+    assert daemon_config_from_dict({}).engine.isolation == "auto"
+    with pytest.raises(UserError, match="engine.isolation must be one of auto, thread, process, got 'fork'"):
         daemon_config_from_dict({"engine": {"isolation": "fork"}})
 
 

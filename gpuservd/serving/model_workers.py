@@ -22,7 +22,8 @@ from gpuservd.events.types import EngineWorkerExit
 from gpuservd.serving.request_stream import ModelSlot
 from gpuservd.runner.model_config import load_arch
 from gpuservd.worker.build import WorkerSpec
-from gpuservd.worker.proxy import WorkerLoop
+from gpuservd.worker.proxy import WorkerLoop, worker_environment
+from gpuservd.worker.spare import SpareWorker
 
 if TYPE_CHECKING:  # the manager imports this module; only its type is needed here
     from gpuservd.serving.models import Models
@@ -45,7 +46,28 @@ def worker_loop(models: "Models", slot: ModelSlot, cfg, model_dir: Path, on_laye
                       srv.admission_window_ms / 1000, srv.log_level,
                       seat.handover() if seat is not None else None)
     return WorkerLoop(slot.name, spec, asyncio.get_running_loop(), models.on_post, models.metrics, env, on_layer,
-                      partial(worker_exited, models))
+                      partial(worker_exited, models), spare=models.spare)
+
+
+def spare_worker(models: "Models") -> SpareWorker | None:
+    """A SpareWorker (worker/spare.py) where a model may go to a worker with no settings of its own: a CPU
+    device that engine.isolation (auto or process) sends to workers, not under MPS (its workers' settings
+    are their environment); started now, beside the daemon's own start-up. None elsewhere."""
+    if models.sharing.backend.name == "mps" or not any(
+            d.startswith("cpu") and models.sharing.isolation(models.config.engine.isolation, d) == "process"
+            for d in models.devices):
+        return None
+    fd = models.cpu_budget.fd
+    spare = SpareWorker(worker_environment(), (fd,) if fd is not None else ())
+    spare.ensure()
+    return spare
+
+
+def replenish_spare(models: "Models", loop=None) -> None:
+    """A worker's model left (unloaded, or its worker exited): a load is likely next; have a spare ready.
+    `loop`: the model's engine loop (nothing to do for an engine thread's)."""
+    if models.spare is not None and (loop is None or loop.isolation == "process"):
+        asyncio.get_running_loop().run_in_executor(None, models.spare.ensure)
 
 
 async def worker_ready(models: "Models", slot: ModelSlot, loop: WorkerLoop, facts: EngineFacts) -> None:
@@ -93,5 +115,6 @@ def worker_exited(models: "Models", loop: WorkerLoop, info: dict) -> None:
     models.sharing.detach(slot.name)
     models.cpu_budget.release(slot.name)  # it may have died inside a step: it no longer counts as busy
     models.cache.device_evicted(slot.name)
+    replenish_spare(models)
     log.error("model %s failed: %s; %d requests failed", slot.name, slot.error, info["num_failed_requests"])
     models.bus.publish(EngineWorkerExit(model=slot.name, state="failed", device=slot.device or None, **info))

@@ -1,7 +1,7 @@
 """The models the daemon hosts: slots, loads, pins, eviction, device routing, prefetch, workers.
 
 Each model has a `ModelSlot`; its engine runs on its own EngineLoop thread, or in an engine worker process
-(`engine.isolation: process`) behind a WorkerLoop. A load picks the fastest weight tier (weights/sources.py),
+behind a WorkerLoop (`engine.isolation`; auto: a CPU model's, serving/model_workers.py). A load picks the fastest weight tier (weights/sources.py),
 makes room on a device by evicting least recently used idle models (an LRU with a size limit; a model inside
 its keep_alive stays, and a load that finds no room is a 503 until then), and builds the engine where it
 will be stepped.
@@ -44,7 +44,7 @@ from gpuservd.weights.cache import CacheFull, WeightCache
 from gpuservd.weights.prefetch import HitRateWatch, PrefetchStats, Predictor
 from gpuservd.weights.sources import WeightSources
 from gpuservd.worker.build import make_engine
-from gpuservd.serving.model_workers import worker_exited, worker_loop, worker_ready
+from gpuservd.serving.model_workers import replenish_spare, spare_worker, worker_exited, worker_loop, worker_ready
 from gpuservd.wire.status import ModelStatus
 
 log = logging.getLogger("gpuservd.serving.models")
@@ -78,6 +78,7 @@ class Models:
         self.hit_rate = HitRateWatch(config.cache.hit_rate_window)
         self.sharing = SharingManager(config, device)  # backend, plan, arbiter, quotas, readings
         self.cpu_budget = CpuBudget()  # the CPU's cores split among the engines stepping at once
+        self.spare = spare_worker(self)  # a worker process started ahead for the next load that needs one
 
     def model_names(self, ready_only: bool = True) -> list[str]:
         return sorted(n for n, s in self.slots.items() if s.state == "ready" or not ready_only)
@@ -115,11 +116,7 @@ class Models:
             return  # admission answers 404; a name that is no model leaves no trace (no per-name state)
         on_device = slot is not None and slot.state == "ready"
         self.cache.touch(name)
-        if name in self.prefetch_stats.pending:  # its load was started ahead of this request
-            warmed = slot is not None and slot.state in ("ready", "loading")
-            self.prefetch_stats.pending.discard(name)
-            self.prefetch_stats.used += warmed
-            self.prefetch_stats.wasted += not warmed
+        self.prefetch_stats.requested(name, slot is not None and slot.state in ("ready", "loading"))
         self.predictor.observe(name)
         self._watch_hit_rate(name, on_device)
         if cc.prefetch and not draining:
@@ -210,8 +207,8 @@ class Models:
             slot.device = await self._make_room(name)  # the device it goes to
             if cfg.devices:  # several devices; with one, engine.device applies (reload too)
                 cfg.device = torch_device(slot.device)
-            isolation = self.sharing.isolation(cfg.isolation)  # process: an engine worker process (mps: always)
-            if isolation == "process" and base is not None:
+            isolation = self.sharing.isolation(cfg.isolation, slot.device, variant=base is not None)
+            if isolation == "process" and base is not None:  # asked for by name (or mps), not by auto
                 raise UserError(f"model {name} is a variant of {base}: it runs on its weights in the daemon's memory, "
                                 "which an engine worker process cannot share; use engine.isolation: thread, not mps")
             handle = self.sharing.attach(name, slot.device, isolation)  # the plan is redone with it; its arbiter
@@ -383,6 +380,7 @@ class Models:
         finished, aborted = await self._end_requests(slot, timeout)
         if slot.loop is not None:
             await asyncio.to_thread(slot.loop.stop)
+            replenish_spare(self, slot.loop)
         slot.encoder.shutdown(wait=False)
         self.slots.pop(name, None)
         if self.metrics is not None:
@@ -452,6 +450,8 @@ class Models:
             if slot.loop is not None:
                 await asyncio.to_thread(slot.loop.stop)
             slot.encoder.shutdown(wait=False)
+        if self.spare is not None:
+            await asyncio.to_thread(self.spare.close)
         self.sharing.close()
 
     # ---- status -----------------------------------------------------------------------------------

@@ -30,6 +30,13 @@ class PrefetchStats:
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "wasted": self.wasted, "accuracy": self.accuracy}
 
+    def requested(self, name: str, warmed: bool) -> None:
+        """A request for `name` arrived; was the load started ahead of it still resident or under way?"""
+        if name in self.pending:
+            self.pending.discard(name)
+            self.used += warmed
+            self.wasted += not warmed
+
 
 class Predictor:
     """Next-model probabilities from decayed transition counts."""

@@ -125,7 +125,10 @@ def build(spec, channel: Channel, facts: list):
 
 def serve(conn: Connection) -> int:
     channel = Channel(conn)
-    kind, spec = conn.recv()
+    try:
+        kind, spec = conn.recv()
+    except (EOFError, OSError):  # a spare (worker/spare.py) the daemon closed, or a daemon gone before the spec
+        return 0
     assert kind == "spec", kind
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(levelname)s gpuservd.worker[{spec.model} pid {os.getpid()}] %(name)s: %(message)s")

@@ -29,9 +29,7 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
-import sys
 import threading
 from collections import deque
 from multiprocessing.connection import Connection
@@ -41,6 +39,7 @@ from typing import Any, Callable
 from gpuservd.engine.loop import EngineGone, Failed, LoopSnapshot, Submission
 from gpuservd.errors import UserError
 from gpuservd.events.types import StepRecord
+from gpuservd.worker.spare import SpareWorker, spawn_worker
 
 log = logging.getLogger("gpuservd.worker")
 TERM_AFTER_S = 10.0  # a worker asked to stop gets this long before SIGTERM (stop()'s default timeout)
@@ -86,8 +85,9 @@ class WorkerLoop:
 
     def __init__(self, model: str, spec, loop: asyncio.AbstractEventLoop, on_post: Callable[[list, list], None],
                  hooks=None, env: dict[str, str] | None = None, on_layer: Callable[[int, float], None] | None = None,
-                 on_death: Callable[["WorkerLoop", dict], None] | None = None):
+                 on_death: Callable[["WorkerLoop", dict], None] | None = None, spare: SpareWorker | None = None):
         self.model = model
+        self.spare = spare  # a worker started ahead, taken by start() when it was started as this one would be
         self.spec = spec  # worker.build.WorkerSpec
         self.env = dict(env or {})  # what this worker's environment adds (MPS variables)
         self.ready: concurrent.futures.Future = concurrent.futures.Future()  # EngineFacts, once built
@@ -114,20 +114,13 @@ class WorkerLoop:
 
     # ---- any thread -------------------------------------------------------------------------------
     def start(self) -> None:
-        ours, theirs = socket.socketpair()
+        """Start the worker, or take the spare when it was started as this one would be."""
         budget_fd = (self.spec.cpu_budget[0],) if self.spec.cpu_budget is not None else ()  # the same number there
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuservd.worker", str(theirs.fileno())], pass_fds=(theirs.fileno(), *budget_fd),
-                env=worker_environment(self.env), stdin=subprocess.DEVNULL,
-                start_new_session=True)  # a terminal's Ctrl-C reaches the daemon, which drains, not its workers
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self._conn = Connection(ours.detach())
-        log.info("model %s: engine worker process %d started%s", self.model, self.proc.pid,
+        env = worker_environment(self.env)
+        taken = self.spare.take(env, budget_fd) if self.spare is not None else None
+        self.proc, self._conn = taken or spawn_worker(env, budget_fd)
+        log.info("model %s: engine worker process %d %s%s", self.model, self.proc.pid,
+                 "taken (the spare started ahead)" if taken else "started",
                  f" with {' '.join(f'{k}={v}' for k, v in sorted(self.env.items()))}" if self.env else "")
         self._send(("spec", self.spec))
         self._reader.start()
