@@ -70,6 +70,15 @@ def weight_bytes_per_decode_step(config: dict, dtype_bytes: int) -> int:
     return (layers * (attention + mlp) + lm_head) * int(dtype_bytes)
 
 
+def held_weight_bytes(weights, num_layers: int) -> int:
+    """Bytes of the linear layers and LM head as an engine holds them (runner/model_weights.py): a
+    batch-1 step reads each once. Less than the checkpoint's dtype gives where weights are held in fewer
+    bytes with the same values (bf16 or 4-bit panels of exactly such fp32 weights, runner/linear.py): the
+    floor of that engine is its own bytes, not the checkpoint's."""
+    return sum(getattr(weights.layer(i), name).nbytes for i in range(num_layers)
+               for name in ("qkv", "o_proj", "gate_up", "down")) + weights.lm_head.nbytes
+
+
 def decode_floor_s(weight_bytes_per_step: int, bandwidth: float) -> float:
     """The lower bound on a batch-1 decode step, seconds: weight bytes / read bandwidth."""
     if bandwidth <= 0:

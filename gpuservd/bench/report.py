@@ -245,7 +245,9 @@ def markdown(result: dict) -> str:
         verdict = (f"the probe was wrong: {fl['note']}" if fl.get("probe_wrong")
                    else f"ratio {_f(fl.get('ratio'), '{:.2f}')}")
         lines += ["", f"Batch-1 decode floor: {_f(fl.get('floor_step_ms'), '{:.1f}')} ms "
-                      f"({_f(fl.get('weight_bytes') and fl['weight_bytes'] / 1e6, '{:.0f}')} MB of weights at "
+                      f"({_f(fl.get('weight_bytes') and fl['weight_bytes'] / 1e6, '{:.0f}')} MB of weights"
+                      + (f" as gpuserv holds them ({fl['checkpoint_weight_bytes'] / 1e6:.0f} MB at the dtype)"
+                         if fl.get("checkpoint_weight_bytes", 0) > fl.get("weight_bytes", 0) else "") + " at "
                       f"{_f(fl.get('read_bandwidth_gbs'), '{:.1f}')} GB/s, the best of "
                       f"{len(fl.get('probe_readings_gbs') or [0])} probes); gpuserv's batch-1 step: "
                       f"{_f(fl.get('gpuserv_batch1_step_ms'), '{:.1f}')} ms ({verdict})."]

@@ -18,7 +18,7 @@ from gpuservd.bench.http_peers import HTTP_PEERS, run_http_peer
 from gpuservd.bench.peer_job import PeerJob, PeerUnavailable
 from gpuservd.bench.server_process import ServerFailed
 from gpuservd.bench.floor import (ForeignLoad, best_bandwidth, floor_summary, measure_read_bandwidth,
-                                  weight_bytes_per_decode_step)
+                                  held_weight_bytes, weight_bytes_per_decode_step)
 from gpuservd.bench.report import OURS, write_report
 from gpuservd.bench.workload import load_workload
 from gpuservd.config import load_config
@@ -175,7 +175,10 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
             arch_cfg = json.loads((model_dir / "config.json").read_text())
             dtype_bytes = torch.tensor([], dtype=engine.runner.dtype).element_size()
             best, readings = best_bandwidth(torch.get_num_threads(), earlier=(bandwidth,))
-            floor = floor_summary(weight_bytes_per_decode_step(arch_cfg, dtype_bytes), best, step_s, readings)
+            nbytes = weight_bytes_per_decode_step(arch_cfg, dtype_bytes)
+            held = held_weight_bytes(engine.runner.weights, engine.runner.arch.num_layers)
+            floor = floor_summary(min(nbytes, held), best, step_s, readings)
+            floor["checkpoint_weight_bytes"] = nbytes  # at the dtype: what a peer with dense weights reads
             log(f"  batch-1 decode step {1000 * step_s:.1f} ms; floor {floor['floor_step_ms']:.1f} ms"
                 + (f" ({floor['note']})" if floor["probe_wrong"] else ""))
         del engine

@@ -42,6 +42,15 @@
 // 16 bits of a zero word gives back the exact fp32), so the FMAs see the same operands in the same
 // order as with fp32 panels: bit-identical results from half the bytes.
 //
+// 4-bit panels: a weight whose every group of 32 input positions of a row is exactly q * d + m (q in
+// 0..15, d and m fp16: GGUF's Q4_1 dequantised to fp32, as the store's SmolLM2 projections are) may be
+// held as those codes (linear.py finds and checks them at load), 5 bits a weight instead of 32. Per
+// panel and group of 32 k: 16 fp16 scales, 16 fp16 offsets, then 32 k steps of 16 nibbles (column j in
+// byte j % 8, low nibble for j < 8). Each K block is expanded into an L1 buffer of fp32 panel (one FMA
+// a value: q * d is exact in fp32, so q * d + m rounds once, as the dequantisation did) and the fp32
+// tiles run over it: bit-identical results, and at the 1-8 rows of a decode tail, where a step is a
+// pass over the weights, a seventh of the bytes.
+//
 // Numerics: fp32 products and fp32 accumulation along k in order within a K
 // block; the bias is added once at the end. The summation order differs from
 // MKL's, so results agree with torch to rounding (relative ~1e-6).
@@ -50,8 +59,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -327,21 +339,18 @@ class Claims {
   int n_;
 };
 
-template <typename T>
-void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max) {
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  const Call<T> c{x.data_ptr<float>(), x.stride(0), M, K, static_cast<const T*>(packed.data_ptr()), P, N,
-                  bias, y.data_ptr<float>(), mr_max};
-  const int64_t wbytes = P * K * kPanel * static_cast<int64_t>(sizeof(T));
-  const auto at_panel = [&](int64_t p) { return reinterpret_cast<const char*>(c.w + p * K * kPanel); };
+// Panels [0, P) over the threads: fn(p0, p1, own_end) for each chunk a thread takes, own_end the end of
+// that thread's own run (or p1 for a chunk taken from another's run). panel_bytes: one panel's fp32 bytes
+// (the work a panel is, whatever its width in memory).
+template <typename F>
+void split(int64_t P, int64_t panel_bytes, F&& fn) {
   const int threads = std::min<int>(at::get_num_threads(), Claims::kMaxThreads);
-  if (wbytes < kParallelBytes || threads == 1 || P == 1 || at::in_parallel_region()) {
-    panels(c, 0, P, at_panel(P));
+  if (P * panel_bytes < kParallelBytes || threads == 1 || P == 1 || at::in_parallel_region()) {
+    fn(0, P, P);
     return;
   }
   // About 16 chunks a thread (the last one a late thread leaves is short), of 1-16 panels and at
   // least 128 KB of W (each chunk costs a claim and starts its stream afresh).
-  const int64_t panel_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
   const int64_t chunk = std::clamp<int64_t>(std::max(P / (16 * threads), (kChunkBytes + panel_bytes - 1) / panel_bytes),
                                             1, 16);
   const int64_t chunks = (P + chunk - 1) / chunk;
@@ -351,11 +360,88 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* 
       const int64_t own_end = std::min(P, claims.run_end(static_cast<int>(t), chunks) * chunk);
       for (int64_t ch; (ch = claims.next(static_cast<int>(t))) >= 0;) {
         const int64_t p0 = ch * chunk, p1 = std::min(P, p0 + chunk);
-        // In its own run a thread's prefetches run on into its next chunk; a taken one stands alone.
-        panels(c, p0, p1, at_panel(p1 <= own_end ? own_end : p1));
+        fn(p0, p1, p1 <= own_end ? own_end : p1);
       }
     }
   });
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const Call<T> c{x.data_ptr<float>(), x.stride(0), M, K, static_cast<const T*>(packed.data_ptr()), P, N,
+                  bias, y.data_ptr<float>(), mr_max};
+  const auto at_panel = [&](int64_t p) { return reinterpret_cast<const char*>(c.w + p * K * kPanel); };
+  // In its own run a thread's prefetches run on into its next chunk; a taken one stands alone.
+  split(P, K * kPanel * static_cast<int64_t>(sizeof(T)),
+        [&](int64_t p0, int64_t p1, int64_t own_end) { panels(c, p0, p1, at_panel(own_end)); });
+}
+
+constexpr int64_t kQGroup = 32;                      // k positions per scale and offset
+constexpr int64_t kQGroupBytes = 64 + kQGroup * 8;  // 16 fp16 scales, 16 fp16 offsets, 32 steps of 16 nibbles
+
+// Panel `panel`'s k positions [k0, k0 + kc) (multiples of kQGroup) as fp32 panel steps in buf [kc][16].
+inline void expand_q4(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
+  for (int64_t g = k0 / kQGroup; g < (k0 + kc) / kQGroup; ++g) {
+    const uint8_t* blk = panel + g * kQGroupBytes;
+    float* out = buf + (g * kQGroup - k0) * kPanel;
+#if GPUSERV_AVX2
+    const auto half8 = [&](int at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))); };
+    const __m256 d0 = half8(0), d1 = half8(16), m0 = half8(32), m1 = half8(48);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t kk = 0; kk < kQGroup; ++kk, out += kPanel) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * kk));
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low)));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(q0, d0, m0));
+      _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(q1, d1, m1));
+    }
+#else
+    const auto half = [&](int at) { return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(blk)[at], c10::Half::from_bits())); };
+    for (int64_t kk = 0; kk < kQGroup; ++kk, out += kPanel)
+      for (int j = 0; j < kPanel; ++j) {
+        const uint8_t b = blk[64 + 8 * kk + j % 8];
+        out[j] = std::fma(static_cast<float>(j < 8 ? b & 15 : b >> 4), half(j), half(16 + j));
+      }
+#endif
+  }
+}
+
+// Panels [p0, p1) of 4-bit panels against all rows of x: each K block expanded once, then the fp32 tiles
+// of every row block over it (the accumulators pass through y between K blocks, exactly).
+void panels_q4(const Call<float>& c, const uint8_t* q, int64_t p0, int64_t p1) {
+  alignas(64) float buf[kKc * kPanel];
+  const int64_t panel_bytes = c.K / kQGroup * kQGroupBytes;
+  for (int64_t mc0 = 0; mc0 < c.M; mc0 += kMc) {
+    const int64_t rows = std::min(kMc, c.M - mc0);
+    const int64_t nb = (rows + c.mr_max - 1) / c.mr_max;
+    const int64_t base = rows / nb, extra = rows % nb;
+    for (int64_t p = p0; p < p1; ++p) {
+      Out o{nullptr, c.N, c.bias ? c.bias + p * kPanel : nullptr,
+            static_cast<int>(std::min(kPanel, c.N - p * kPanel)), true, false};
+      for (int64_t k0 = 0; k0 < c.K; k0 += kKc) {
+        const int64_t kc = std::min(kKc, c.K - k0);
+        expand_q4(q + p * panel_bytes, k0, kc, buf);
+        o.first = k0 == 0;
+        o.last = k0 + kc == c.K;
+        int64_t m = mc0;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int mr = static_cast<int>(base + (b < extra ? 1 : 0));
+          o.y = c.y + m * c.N + p * kPanel;
+          tile(mr, c.x + m * c.ldx + k0, c.ldx, static_cast<const float*>(buf), kc, o, Pf{nullptr, 0, 1});
+          m += mr;
+        }
+      }
+    }
+  }
+}
+
+void run_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const Call<float> c{x.data_ptr<float>(), x.stride(0), M, K, nullptr, P, N, bias, y.data_ptr<float>(), mr_max};
+  const auto* q = packed.data_ptr<uint8_t>();
+  split(P, K * kPanel * static_cast<int64_t>(sizeof(float)),
+        [&](int64_t p0, int64_t p1, int64_t) { panels_q4(c, q, p0, p1); });
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in column panels [ceil(N/16), K, 16], fp32 or
@@ -365,15 +451,18 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* 
 at::Tensor packed_linear_f32_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                                   const std::optional<at::Tensor>& bias, int64_t tile_rows, const at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear_f32: CPU tensors only");
+  const bool q4 = packed.scalar_type() == at::kByte;
   TORCH_CHECK(x.scalar_type() == at::kFloat &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
-              "packed_linear_f32: fp32 x and an fp32 or bf16 panel weight only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
-              "packed_linear_f32: weight must be a contiguous panel tensor [P, K, 16], got ", packed.sizes());
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16 || q4),
+              "packed_linear_f32: fp32 x and an fp32, bf16 or 4-bit (uint8) panel weight only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == (q4 ? kQGroupBytes : kPanel) && packed.is_contiguous(),
+              "packed_linear_f32: weight must be a contiguous panel tensor [P, K, 16] (4-bit: [P, K / 32, ",
+              kQGroupBytes, "]), got ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear_f32: x must be [M, K] with unit column stride");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && N > 0 && (N + kPanel - 1) / kPanel == P,
-              "packed_linear_f32: x is [", M, ", ", K, "] but the weight packs [", N, ", ", packed.size(1), "]");
+  const int64_t packed_k = q4 ? packed.size(1) * kQGroup : packed.size(1);
+  TORCH_CHECK(packed_k == K && N > 0 && (N + kPanel - 1) / kPanel == P,
+              "packed_linear_f32: x is [", M, ", ", K, "] but the weight packs [", N, ", ", packed_k, "]");
   TORCH_CHECK(tile_rows >= 0 && tile_rows <= kMrCap, "packed_linear_f32: tile_rows must be 0-", kMrCap);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
@@ -387,7 +476,9 @@ at::Tensor packed_linear_f32_into(const at::Tensor& x, const at::Tensor& packed,
   if (M == 0 || K == 0) return K == 0 && M ? (has_bias ? y.copy_(bias->expand({M, N})) : y.zero_()) : y;
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   const int mr = tile_rows ? static_cast<int>(tile_rows) : kMr;
-  if (packed.scalar_type() == at::kFloat)
+  if (q4)
+    run_q4(x, packed, N, b, y, mr);
+  else if (packed.scalar_type() == at::kFloat)
     run<float>(x, packed, N, b, y, mr);
   else
     run<uint16_t>(x, packed, N, b, y, mr);
