@@ -103,9 +103,10 @@ def best_bandwidth(num_threads: int, probe=measure_read_bandwidth, runs: int = P
 
 
 def floor_summary(weight_bytes: int, bandwidth: float, gpuserv_batch1_step_s: float | None = None,
-                  readings: list[float] | None = None) -> dict:
+                  readings: list[float] | None = None, checkpoint_weight_bytes: int | None = None) -> dict:
     """The report's `floor` section. gpuserv's measured batch-1 step may be filled in later
-    (`ratio` = measured / floor; None until then).
+    (`ratio` = measured / floor; None until then). checkpoint_weight_bytes: the same weights at the
+    dtype (what a peer with dense weights reads), where gpuserv holds them in fewer bytes.
 
     A floor is a lower bound. When the measured step beats it, the probe under-read the bandwidth: the
     section says so (`probe_wrong`, with the bandwidth the step itself implies) and `ratio` stays None,
@@ -122,6 +123,8 @@ def floor_summary(weight_bytes: int, bandwidth: float, gpuserv_batch1_step_s: fl
         "ratio": ratio,
         "probe_wrong": False,
     }
+    if checkpoint_weight_bytes is not None:
+        out["checkpoint_weight_bytes"] = int(checkpoint_weight_bytes)
     if ratio is not None and ratio < 1.0:
         implied = weight_bytes / gpuserv_batch1_step_s
         out.update(ratio=None, probe_wrong=True, step_implied_bandwidth_gbs=implied / 1e9,

@@ -177,8 +177,7 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
             best, readings = best_bandwidth(torch.get_num_threads(), earlier=(bandwidth,))
             nbytes = weight_bytes_per_decode_step(arch_cfg, dtype_bytes)
             held = held_weight_bytes(engine.runner.weights, engine.runner.arch.num_layers)
-            floor = floor_summary(min(nbytes, held), best, step_s, readings)
-            floor["checkpoint_weight_bytes"] = nbytes  # at the dtype: what a peer with dense weights reads
+            floor = floor_summary(min(nbytes, held), best, step_s, readings, checkpoint_weight_bytes=nbytes)
             log(f"  batch-1 decode step {1000 * step_s:.1f} ms; floor {floor['floor_step_ms']:.1f} ms"
                 + (f" ({floor['note']})" if floor["probe_wrong"] else ""))
         del engine

@@ -251,7 +251,7 @@ class Linear:
         """W[ids] [len(ids), in]: an embedding lookup on the (tied) weight, whatever its layout."""
         if self.packed is None:
             return self.weight.index_select(0, ids)
-        if self.packed.dtype == torch.uint8:  # 4-bit panels (a GGUF Q4_0 / Q4_1 embedding)
+        if self.packed.dtype == torch.uint8:  # 4-bit panels (a GGUF Q4_1 embedding)
             return q4_panels.rows(self.packed, ids, self.in_features)
         # One gather (advanced indexing on the 4-D view took 1.4 ms for 32 ids, this ~0.02 ms).
         # Column panels: element (n, c) lies at flat ((n // 16) * in + c) * 16 + n % 16 (bf16 ones: at

@@ -1,8 +1,8 @@
 """The models the daemon hosts: slots, loads, pins, eviction, device routing, prefetch, workers.
 
 Each model has a `ModelSlot`; its engine runs on its own EngineLoop thread, or in an engine worker process
-behind a WorkerLoop (`engine.isolation`; auto: a CPU model's, serving/model_workers.py). A load picks the fastest weight tier (weights/sources.py),
-makes room on a device by evicting least recently used idle models (an LRU with a size limit; a model inside
+behind a WorkerLoop (`engine.isolation`; auto: a CPU model's, serving/model_workers.py). A load picks the
+fastest weight tier (weights/sources.py), makes room on a device by evicting least recently used idle models (an LRU with a size limit; a model inside
 its keep_alive stays, and a load that finds no room is a 503 until then), and builds the engine where it
 will be stepped.
 

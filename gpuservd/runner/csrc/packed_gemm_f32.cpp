@@ -44,7 +44,7 @@
 //
 // 4-bit panels: a weight whose every group of 32 input positions of a row is exactly q * d + m (q in
 // 0..15, d and m fp16: GGUF's Q4_1 dequantised to fp32, as the store's SmolLM2 projections are) may be
-// held as those codes (linear.py finds and checks them at load), 5 bits a weight instead of 32. Per
+// held as those codes (q4_panels.cpp finds and checks them at load), 5 bits a weight instead of 32. Per
 // panel and group of 32 k: 16 fp16 scales, 16 fp16 offsets, then 32 k steps of 16 nibbles (column j in
 // byte j % 8, low nibble for j < 8). Each K block is expanded into an L1 buffer of fp32 panel (one FMA
 // a value: q * d is exact in fp32, so q * d + m rounds once, as the dequantisation did) and the fp32
