@@ -138,9 +138,9 @@ struct StepLines {
   int64_t bytes[kMaxRuns];
   int runs = 0, r = 0;
   int64_t off = 0;
-  StepLines(const Item& it, const float* kc, const float* vc, const Shape& sh, int64_t t0, int64_t t1) {
-    if (t0 >= t1) return;
-    for_each_run(it.table, sh.block_size, t0, t1, [&](int64_t row, int64_t count) {
+  StepLines(const int32_t* table, const float* kc, const float* vc, const Shape& sh, int64_t t0, int64_t t1) {
+    if (!table || t0 >= t1) return;
+    for_each_run(table, sh.block_size, t0, t1, [&](int64_t row, int64_t count) {
       if (runs == kMaxRuns) return;
       k[runs] = reinterpret_cast<const char*>(kc + row * sh.row_stride);
       v[runs] = reinterpret_cast<const char*>(vc + row * sh.row_stride);
@@ -190,7 +190,11 @@ void attend_item_f32(const Item& it, const float* k, const float* v, const Shape
   std::fill(it.acc, it.acc + H * D, 0.f);
   for (int64_t t = it.t0; t < it.t1; t += kStep) {
     const int64_t n = std::min(kStep, it.t1 - t);
-    StepLines ahead(it, k, v, sh, t + kStep, std::min(it.t1, t + 2 * kStep));
+    // The next step's rows, or past the item's last step the next item's first ones: at short contexts
+    // (a burst's 48 sequences at 64 tokens: two steps an item) every other step began cold otherwise.
+    StepLines ahead = t + kStep < it.t1
+        ? StepLines(it.table, k, v, sh, t + kStep, std::min(it.t1, t + 2 * kStep))
+        : StepLines(it.next_table, k, v, sh, it.next_t0, std::min(it.next_t1, it.next_t0 + kStep));
     copy_step_rows(it, k, v, sh, t, t + n, bk, bv, ahead);
     for (int64_t h = 0; h < KVH; ++h) {
       float* sc = scores + h * G * kStep;

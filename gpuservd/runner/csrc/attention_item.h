@@ -46,6 +46,10 @@ struct Item {
   int64_t qraw_head_stride = 0;
   float scale = 1.f;
   Prefetcher* pf = nullptr;  // the thread's prefetch stream (item kinds that use one)
+  // The next item of the same thread (its table and tokens; table nullptr: none): the fp32 item fetches
+  // its first rows while it copies its own last ones.
+  const int32_t* next_table = nullptr;
+  int64_t next_t0 = 0, next_t1 = 0;
 };
 
 struct Shape {

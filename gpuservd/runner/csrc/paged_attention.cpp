@@ -192,8 +192,14 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t it = split[th0]; it < split[th1]; ++it) {
       const int64_t b = item_seq(it);
       const int64_t t0 = (it - first_item[b]) * part_len, t1 = std::min<int64_t>(lp[b], t0 + part_len);
-      const Item item{need_qs ? &qs[b * H * D] : nullptr, tp + b * table_stride, t0, t1, &part_m[it * H], &part_l[it * H], &part_acc[it * H * D],
-                      qp + b * qs0, qs1, static_cast<float>(scale), pfp};
+      Item item{need_qs ? &qs[b * H * D] : nullptr, tp + b * table_stride, t0, t1, &part_m[it * H], &part_l[it * H], &part_acc[it * H * D],
+                qp + b * qs0, qs1, static_cast<float>(scale), pfp};
+      if (it + 1 < split[th1]) {
+        const int64_t nb = item_seq(it + 1);
+        item.next_table = tp + nb * table_stride;
+        item.next_t0 = (it + 1 - first_item[nb]) * part_len;
+        item.next_t1 = std::min<int64_t>(lp[nb], item.next_t0 + part_len);
+      }
       if (t1 <= t0) {  // empty context: contributes nothing
         std::fill(item.m, item.m + H, -std::numeric_limits<float>::infinity());
         std::fill(item.l, item.l + H, 0.f);
