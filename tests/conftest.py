@@ -63,17 +63,19 @@ def store_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _short_bench_probes():
-    """The bench's two machine probes, shortened here: the memory-bandwidth probe sums a 64 MiB tensor
-    instead of 1 GiB, and the batch-1 decode step is the median of 7 steps instead of 63.
+    """The bench's machine probes, shortened here: the memory-bandwidth probe sums a 64 MiB tensor
+    instead of 1 GiB, the batch-1 decode step is the median of 7 steps instead of 63, and the FMA peak
+    the best of 2 runs of 20 ms instead of 5 of 250 ms.
 
     A bench run probes the bandwidth four times (floor.py), and filling and faulting in a fresh GiB took
     1-4 s each; the 63 steps took about a second more: most of every test that runs `gpuserv bench`. The
     tests check that both probes run and that their readings reach the floor and the report, never their
     values (no wall-clock numbers), and the code paths are the same at any size; the full sizes only keep
     a real run's readings clear of the CPU caches and of one slow step."""
-    from gpuservd.bench import engine_run, floor
+    from gpuservd.bench import engine_run, floor, fma_peak
 
-    probes = [(floor.measure_read_bandwidth, (64 << 20,)), (engine_run.batch1_decode_step_s, (32, 8))]
+    probes = [(floor.measure_read_bandwidth, (64 << 20,)), (engine_run.batch1_decode_step_s, (32, 8)),
+              (fma_peak.fma_peak, (12, 0.02, 2))]
     saved = [fn.__defaults__ for fn, _ in probes]
     for fn, head in probes:
         fn.__defaults__ = (*head, *fn.__defaults__[len(head):])

@@ -138,6 +138,13 @@ def test_bench_smoke_writes_result_files(store_home, tmp_path, capsys):
         t["output_tokens"] for t in g["requests"]) and g["throughput_tok_s"] > 0
     assert set(result["classes"]) == {"short", "long"}
     assert result["floor"]["gpuserv_batch1_step_ms"] > 0
+    # the compute floor of each class's P99, which no run can beat (a real probe and a real run here)
+    compute = result["floor"]["class_p99"]
+    if "skipped" not in compute:  # no C++ compiler
+        assert compute["fma_peak_gflops"] > 0 and set(compute["classes"]) == {"short", "long"}
+        for cls, c in compute["classes"].items():
+            assert c["burst"] and 0 < c["p99_floor_s"] <= g["latency_s"][cls]["p99"]
+        assert "Compute floor of each class's P99: " in (out / "result.md").read_text()
     assert (out / "result.md").exists() and (out / "latency_cdf.png").stat().st_size > 1000
     assert g["extra"]["scheduler_share"] > 0 and "preemptions_by_kind" in g["extra"]
 

@@ -1,14 +1,18 @@
-"""scripts/cpu_ceilings.py: the FMA-peak probe counts the work it did, and the roofline picks the ceiling
-that binds (the read at few rows, the FMAs at many). No speed is asserted: the machine may be shared."""
+"""gpuservd/bench/fma_peak.py counts the work it did in the CPU's widest FMAs, and scripts/cpu_ceilings.py's
+roofline picks the ceiling that binds (the read at few rows, the FMAs at many). No speed is asserted: the
+machine may be shared."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+
+from gpuservd.bench import fma_peak
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -25,22 +29,26 @@ def ceilings():
         sys.path.remove(str(SCRIPTS))
 
 
-def test_fma_probe_counts_each_threads_flops(ceilings):
+def test_fma_probe_counts_each_threads_flops():
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("no C++ compiler: the probe cannot be built here")
-    import torch
-
-    r = ceilings.probe().fma_chains(1000, 2, 8)
-    assert r.shape == (2, 4)
-    vector = bool({"avx2", "fma"} <= ceilings.cpu_kernels._cpu_flags())
-    per_iter = 8 * (16 if vector else 2)  # 8 chains of 8 lanes x (multiply + add), or scalar chains
-    assert torch.equal(r[:, 0], torch.full((2,), 1000.0 * per_iter, dtype=torch.float64))
-    assert (r[:, 1] > 0).all() and (r[:, 2] >= 0).all()
-    assert torch.isfinite(r[:, 3]).all()  # the chains converge instead of overflowing
+    r = fma_peak.probe().fma_chains(1000, 2, 8)
+    assert len(r) == 2
+    per_iter = 8 * 2 * fma_peak.lanes()  # 8 chains of `lanes` lanes x (multiply + add)
+    assert [t[0] for t in r] == [1000.0 * per_iter] * 2
+    assert all(t[1] > 0 and t[2] >= 0 for t in r)
+    assert all(math.isfinite(t[3]) for t in r)  # the chains converge instead of overflowing
     with pytest.raises(RuntimeError, match="acc must be"):
-        ceilings.probe().fma_chains(10, 1, 5)
-    peak = ceilings.fma_peak(1, 8, seconds=0.01, repeats=1)
+        fma_peak.probe().fma_chains(10, 1, 5)
+    peak = fma_peak.fma_peak(1, 8, seconds=0.01, repeats=1)
     assert peak["threads"] == 1 and peak["gflops_wall"] > 0 and peak["gflops_cpu"] > 0
+
+
+def test_the_probe_uses_the_widest_fma_the_cpu_has():
+    assert fma_peak.isa_flags({"avx512f", "avx2", "fma"}) == ["-mavx512f", "-mfma"]
+    assert fma_peak.isa_flags({"avx2", "fma"}) == ["-mavx2", "-mfma"]
+    assert fma_peak.isa_flags({"sse4_2"}) == []
+    assert (fma_peak.lanes({"avx512f", "fma"}), fma_peak.lanes({"avx2", "fma"}), fma_peak.lanes(set())) == (16, 8, 1)
 
 
 def test_roofline_binds_on_the_read_at_few_rows_and_the_fmas_at_many(ceilings):

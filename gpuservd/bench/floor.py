@@ -47,11 +47,12 @@ def measure_read_bandwidth(num_threads: int, nbytes: int = GIB, repeats: int = 3
         torch.set_num_threads(before)
 
 
-def weight_bytes_per_decode_step(config: dict, dtype_bytes: int) -> int:
-    """Bytes of weights one batch-1 decode step must read, from a Llama-family config.json:
-    every linear layer (q, k, v, o, gate, up, down; q/k/v biases where `attention_bias`)
-    plus the LM head (the embedding matrix when tied; the same size either way). The
-    embedding lookup (one row) and the norm vectors are left out: they are a rounding error."""
+def decode_params(config: dict, biases: bool = True) -> tuple[int, int]:
+    """(weights of the decoder layers' linear maps, weights of the LM head) of a Llama-family config.json:
+    every linear layer (q, k, v, o, gate, up, down; q/k/v biases where `attention_bias`, unless not
+    `biases`: a count of multiply-adds leaves them out) and the LM head (the embedding matrix when tied;
+    the same size either way). The embedding lookup (one row) and the norm vectors are left out: they
+    are a rounding error."""
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -63,11 +64,15 @@ def weight_bytes_per_decode_step(config: dict, dtype_bytes: int) -> int:
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = hidden * q + 2 * hidden * kv + q * hidden
     # Qwen2 has q/k/v biases; Llama's attention_bias adds them too (and an o bias).
-    if config.get("attention_bias") or config.get("model_type") == "qwen2":
+    if biases and (config.get("attention_bias") or config.get("model_type") == "qwen2"):
         attention += q + 2 * kv + (hidden if config.get("attention_bias") else 0)
-    mlp = 3 * hidden * inter + (2 * inter + hidden if config.get("mlp_bias") else 0)
-    lm_head = vocab * hidden
-    return (layers * (attention + mlp) + lm_head) * int(dtype_bytes)
+    mlp = 3 * hidden * inter + (2 * inter + hidden if biases and config.get("mlp_bias") else 0)
+    return layers * (attention + mlp), vocab * hidden
+
+
+def weight_bytes_per_decode_step(config: dict, dtype_bytes: int) -> int:
+    """Bytes of weights one batch-1 decode step must read (decode_params at `dtype_bytes` a weight)."""
+    return sum(decode_params(config)) * int(dtype_bytes)
 
 
 def held_weight_bytes(weights, num_layers: int) -> int:

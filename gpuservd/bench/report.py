@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpuservd.bench.compute_floor import floor_lines
 from gpuservd.bench.records import SystemRun
 from gpuservd.bench.report_http import HTTP_OURS, http_lines, http_vs_inprocess
 
@@ -251,6 +252,7 @@ def markdown(result: dict) -> str:
                       f"{_f(fl.get('read_bandwidth_gbs'), '{:.1f}')} GB/s, the best of "
                       f"{len(fl.get('probe_readings_gbs') or [0])} probes); gpuserv's batch-1 step: "
                       f"{_f(fl.get('gpuserv_batch1_step_ms'), '{:.1f}')} ms ({verdict})."]
+    lines += floor_lines(result)
     m = result["meta"]
     why = f" ({m['dtype_reason']})" if m.get("dtype_reason") else ""
     lines += ["", f"{m['date']}, {m['host']['cpu']} ({m['host']['cores']} cores), dtype {m['dtype']}{why}, "

@@ -12,6 +12,7 @@ import torch
 
 from gpuservd.bench import peers as peer_mod
 from gpuservd.bench.chat import expected_prefix_hits
+from gpuservd.bench.compute_floor import class_p99_floor
 from gpuservd.bench.engine_run import batch1_decode_step_s, commit_kv_pool, run_gpuserv
 from gpuservd.bench.gpuserv_http import SYSTEM as GPUSERV_HTTP, run_gpuserv_http
 from gpuservd.bench.http_peers import HTTP_PEERS, run_http_peer
@@ -180,6 +181,7 @@ def _gpuserv_round(configs, cfg, model_dir, workload, workload_path, alone_witho
             floor = floor_summary(min(nbytes, held), best, step_s, readings, checkpoint_weight_bytes=nbytes)
             log(f"  batch-1 decode step {1000 * step_s:.1f} ms; floor {floor['floor_step_ms']:.1f} ms"
                 + (f" ({floor['note']})" if floor["probe_wrong"] else ""))
+            floor["class_p99"] = class_p99_floor(requests, arch_cfg, str(engine.runner.dtype).removeprefix("torch."))
         del engine
         gc.collect()
     return requests, floor
