@@ -381,18 +381,29 @@ constexpr int64_t kQGroup = 32;                      // k positions per scale an
 constexpr int64_t kQGroupBytes = 64 + kQGroup * 8;  // 16 fp16 scales, 16 fp16 offsets, 32 steps of 16 nibbles
 
 // Panel `panel`'s k positions [k0, k0 + kc) (multiples of kQGroup) as fp32 panel steps in buf [kc][16].
-inline void expand_q4(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
+// Not inlined: inlined into panels_q4, its constants stayed live in registers through the 6-row tiles,
+// which need 15 of AVX2's 16, and a 48-row call ran at half speed.
+__attribute__((noinline)) void expand_q4(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
   for (int64_t g = k0 / kQGroup; g < (k0 + kc) / kQGroup; ++g) {
     const uint8_t* blk = panel + g * kQGroupBytes;
     float* out = buf + (g * kQGroup - k0) * kPanel;
 #if GPUSERV_AVX2
     const auto half8 = [&](int at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))); };
     const __m256 d0 = half8(0), d1 = half8(16), m0 = half8(32), m1 = half8(48);
-    const __m128i low = _mm_set1_epi8(0x0F);
+    // Byte j of a k step holds column j (low nibble) and column j + 8 (high nibble). The step's 8 bytes go
+    // to every quadword (one broadcast load), one shuffle within each 128-bit half puts byte j alone in
+    // 32-bit lane j, and then column j is a mask away and column j + 8 a shift: 8 instructions a step where
+    // unpacking each half with its own zero-extension took 11, and the expansion is most of a narrow
+    // step's linear time.
+    const __m256i spread = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i low = _mm256_set1_epi32(0x0F);
     for (int64_t kk = 0; kk < kQGroup; ++kk, out += kPanel) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * kk));
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low)));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
+      int64_t bits;
+      std::memcpy(&bits, blk + 64 + 8 * kk, 8);
+      const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi64x(bits), spread);
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
       _mm256_storeu_ps(out, _mm256_fmadd_ps(q0, d0, m0));
       _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(q1, d1, m1));
     }
