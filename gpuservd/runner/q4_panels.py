@@ -3,9 +3,9 @@
 A weight dequantised from GGUF's Q4_1 (the store's SmolLM2 projections: `gguf` computes d * q + m in
 fp32, q in 0..15, d and m fp16 per 32 input positions of a row) is, value for value, such a grid. Held
 as its codes it takes 5 bits a weight instead of 32 (the scales and offsets included), and
-csrc/packed_gemm_f32.cpp expands each K block back to the same fp32 values before the same FMAs, so a
-matmul's results are bit-identical to the fp32 panels'. The grid is found and checked value by value at
-load (pack_panels_q4, csrc/q4_panels.cpp); one value off and the weight keeps its fp32 (or bf16) panels.
+csrc/q4_panels.cpp expands them back to the same fp32 values before the same FMAs, so a matmul's results
+are bit-identical to the fp32 panels'. The grid is found and checked value by value at load
+(pack_panels_q4, in the same file); one value off and the weight keeps its fp32 (or bf16) panels.
 It matters where a step is a pass over the weights, a decode step of a few rows: fp32 panels read 538 MB
 a step for SmolLM2, these 180 MB (its tied LM head, an 8-bit grid, stays fp32).
 

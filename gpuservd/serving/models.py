@@ -2,9 +2,9 @@
 
 Each model has a `ModelSlot`; its engine runs on its own EngineLoop thread, or in an engine worker process
 behind a WorkerLoop (`engine.isolation`; auto: a CPU model's, serving/model_workers.py). A load picks the
-fastest weight tier (weights/sources.py), makes room on a device by evicting least recently used idle models (an LRU with a size limit; a model inside
-its keep_alive stays, and a load that finds no room is a 503 until then), and builds the engine where it
-will be stepped.
+fastest weight tier (weights/sources.py), makes room on a device by evicting least recently used idle
+models (an LRU with a size limit; a model inside its keep_alive stays, and a load that finds no room is a
+503 until then), and builds the engine where it will be stepped.
 
 Devices: `engine.devices` lists the daemon's devices (empty = the one `engine.device`). Every slot
 carries the device it runs on; a request for a model resident on a device goes there (a hit), and a load

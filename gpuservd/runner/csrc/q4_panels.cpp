@@ -26,8 +26,8 @@
 namespace {
 
 using gpuserv_panels::kPanel;
-constexpr int64_t kGroup = gpuserv_panels::kQGroup;
-constexpr int64_t kGroupBytes = gpuserv_panels::kQGroupBytes;
+using gpuserv_panels::kQGroup;
+using gpuserv_panels::kQGroupBytes;
 
 inline uint32_t bits(float f) {
   uint32_t b;
@@ -37,7 +37,7 @@ inline uint32_t bits(float f) {
 
 // Codes of the 32 values v on the grid (d, m), if it reproduces every one of them bit for bit.
 inline bool fits(const float* v, float d, float m, uint8_t* q) {
-  for (int i = 0; i < kGroup; ++i) {
+  for (int i = 0; i < kQGroup; ++i) {
     const float c = d == 0.f ? 0.f : std::min(15.f, std::max(0.f, std::nearbyint((v[i] - m) / d)));
     if (bits(std::fma(c, d, m)) != bits(v[i])) return false;
     q[i] = static_cast<uint8_t>(c);
@@ -47,7 +47,7 @@ inline bool fits(const float* v, float d, float m, uint8_t* q) {
 
 // The group's grid: its scale's and offset's fp16 bits and its codes; false when there is none.
 bool group_grid(const float* v, uint16_t& d16, uint16_t& m16, uint8_t* q) {
-  const auto [lo_it, hi_it] = std::minmax_element(v, v + kGroup);
+  const auto [lo_it, hi_it] = std::minmax_element(v, v + kQGroup);
   const float lo = *lo_it, span = *hi_it - lo;
   const c10::Half m(lo);
   if (bits(static_cast<float>(m)) != bits(lo)) return false;
@@ -73,26 +73,26 @@ at::Tensor pack_panels_q4(const at::Tensor& w) {
               "pack_panels_q4: an fp32 CPU matrix only");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
-  if (K % kGroup || N == 0) return at::empty({0}, wc.options().dtype(at::kByte));
-  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kGroup;
-  at::Tensor out = at::empty({P, G, kGroupBytes}, wc.options().dtype(at::kByte));
+  if (K % kQGroup || N == 0) return at::empty({0}, wc.options().dtype(at::kByte));
+  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kQGroup;
+  at::Tensor out = at::empty({P, G, kQGroupBytes}, wc.options().dtype(at::kByte));
   const float* src = wc.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    uint8_t q[kGroup];
+    uint8_t q[kQGroup];
     for (int64_t p = p0; p < p1 && exact.load(std::memory_order_relaxed); ++p)
       for (int64_t g = 0; g < G; ++g) {
-        uint8_t* blk = dst + (p * G + g) * kGroupBytes;
-        std::memset(blk, 0, kGroupBytes);  // padded columns: 0 * 0 + 0
+        uint8_t* blk = dst + (p * G + g) * kQGroupBytes;
+        std::memset(blk, 0, kQGroupBytes);  // padded columns: 0 * 0 + 0
         auto* d16 = reinterpret_cast<uint16_t*>(blk);
         auto* m16 = reinterpret_cast<uint16_t*>(blk + 32);
         for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
-          if (!group_grid(src + (p * kPanel + j) * K + g * kGroup, d16[j], m16[j], q)) {
+          if (!group_grid(src + (p * kPanel + j) * K + g * kQGroup, d16[j], m16[j], q)) {
             exact.store(false, std::memory_order_relaxed);
             return;
           }
-          for (int64_t kk = 0; kk < kGroup; ++kk)
+          for (int64_t kk = 0; kk < kQGroup; ++kk)
             blk[64 + 8 * kk + j % 8] |= static_cast<uint8_t>(j < 8 ? q[kk] : q[kk] << 4);
         }
       }
@@ -102,10 +102,30 @@ at::Tensor pack_panels_q4(const at::Tensor& w) {
 
 }  // namespace
 
-
 // The matmul on 4-bit panels (packed_linear_f32 takes them; the tiles are packed_tiles.h's).
 namespace gpuserv_panels {
 namespace {
+
+#if GPUSERV_AVX2
+// A k step's 16 codes as fp32 (q0: columns 0-7, q1: 8-15). Byte j of a step holds column j (low nibble)
+// and column j + 8 (high nibble). The step's 8 bytes go to every quadword (one broadcast load), one
+// shuffle within each 128-bit half puts byte j alone in 32-bit lane j, and then column j is a mask away
+// and column j + 8 a shift: with the two FMAs, 8 instructions a step where unpacking each half with its
+// own zero-extension took 11, and the expansion is most of a narrow step's linear time.
+struct Nibbles {
+  const __m256i spread = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i low = _mm256_set1_epi32(0x0F);
+
+  inline __attribute__((always_inline)) void codes(const uint8_t* step, __m256& q0, __m256& q1) const {
+    int64_t bits;
+    std::memcpy(&bits, step, 8);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi64x(bits), spread);
+    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+    q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+};
+#endif
 
 // Panel `panel`'s k positions [k0, k0 + kc) (multiples of kQGroup) as fp32 panel steps in buf [kc][16].
 // Not inlined: inlined into panels_q4, its constants stayed live in registers through the 6-row tiles,
@@ -117,20 +137,10 @@ __attribute__((noinline)) void expand_q4(const uint8_t* panel, int64_t k0, int64
 #if GPUSERV_AVX2
     const auto half8 = [&](int at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))); };
     const __m256 d0 = half8(0), d1 = half8(16), m0 = half8(32), m1 = half8(48);
-    // Byte j of a k step holds column j (low nibble) and column j + 8 (high nibble). The step's 8 bytes go
-    // to every quadword (one broadcast load), one shuffle within each 128-bit half puts byte j alone in
-    // 32-bit lane j, and then column j is a mask away and column j + 8 a shift: 8 instructions a step where
-    // unpacking each half with its own zero-extension took 11, and the expansion is most of a narrow
-    // step's linear time.
-    const __m256i spread = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-    const __m256i low = _mm256_set1_epi32(0x0F);
+    const Nibbles nib;
     for (int64_t kk = 0; kk < kQGroup; ++kk, out += kPanel) {
-      int64_t bits;
-      std::memcpy(&bits, blk + 64 + 8 * kk, 8);
-      const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi64x(bits), spread);
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      __m256 q0, q1;
+      nib.codes(blk + 64 + 8 * kk, q0, q1);
       _mm256_storeu_ps(out, _mm256_fmadd_ps(q0, d0, m0));
       _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(q1, d1, m1));
     }
@@ -146,24 +156,22 @@ __attribute__((noinline)) void expand_q4(const uint8_t* panel, int64_t k0, int64
 }
 
 #if GPUSERV_AVX2
-// One or two rows of x against kNarrowPanels 4-bit panels at once, all of K, the codes expanded in
-// registers. At 1-2 rows the tile of one panel is a chain of 2-4 FMAs a k step on 4 cycles of latency,
-// and expanding into a buffer first adds a store and a load of every value: ~0.8 cycles a weight on
-// the Zen 3 where the codes' DRAM read needs ~0.15. Several panels side by side keep the FMA pipes
-// fed and the values never leave the registers. Each column's sum runs along k in the same order and
-// the same w = q * d + m feeds it, so y is bit for bit the buffered path's.
-constexpr int kNarrowPanels = 4;
-
+// MR (1 or 2) rows of x against NP 4-bit panels at once, all of K, the codes expanded in registers. At
+// 1-2 rows the tile of one panel is a chain of 2-4 FMAs a k step on 4 cycles of latency, and expanding
+// into a buffer first adds a store and a load of every value: ~0.8 cycles a weight on the Zen 3 where
+// the codes' DRAM read needs ~0.15. Several panels side by side keep the FMA pipes fed and the values
+// never leave the registers. Each column's sum runs along k in the same order and the same w = q * d + m
+// feeds it, so y is bit for bit the buffered path's.
 template <int MR, int NP>
 void narrow_q4(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t K, const Out* outs) {
+  // The loops over rows and panels are unrolled so that the accumulators stay in registers: indexed at
+  // run time, GCC stored all of them every k step.
   __m256 a0[MR][NP], a1[MR][NP];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) a0[m][j] = a1[m][j] = _mm256_setzero_ps();
-  const __m256i spread = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-  const __m256i low = _mm256_set1_epi32(0x0F);
+  const Nibbles nib;
   alignas(32) float dm[NP][4][8];  // per panel: scales of columns 0-7, 8-15, offsets of 0-7, 8-15
   for (int64_t g = 0; g < K / kQGroup; ++g) {
     for (int j = 0; j < NP; ++j)
@@ -177,13 +185,10 @@ void narrow_q4(const float* x, int64_t ldx, const uint8_t* const* panels, int64_
       for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) {
-        int64_t bits;
-        std::memcpy(&bits, panels[j] + g * kQGroupBytes + 64 + 8 * kk, 8);
-        const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi64x(bits), spread);
-        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), _mm256_load_ps(dm[j][0]),
-                                          _mm256_load_ps(dm[j][2]));
-        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_load_ps(dm[j][1]),
-                                          _mm256_load_ps(dm[j][3]));
+        __m256 q0, q1;
+        nib.codes(panels[j] + g * kQGroupBytes + 64 + 8 * kk, q0, q1);
+        const __m256 w0 = _mm256_fmadd_ps(q0, _mm256_load_ps(dm[j][0]), _mm256_load_ps(dm[j][2]));
+        const __m256 w1 = _mm256_fmadd_ps(q1, _mm256_load_ps(dm[j][1]), _mm256_load_ps(dm[j][3]));
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
           a0[m][j] = _mm256_fmadd_ps(w0, xb[m], a0[m][j]);
@@ -195,12 +200,10 @@ void narrow_q4(const float* x, int64_t ldx, const uint8_t* const* panels, int64_
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
     const Out& o = outs[j];
-    alignas(32) float row[kPanel];
+    alignas(32) float row[kPanel], b[kPanel] = {};  // the bias (or +0, as the buffered tile adds) at the end
+    if (o.bias) std::memcpy(b, o.bias, sizeof(float) * o.ncols);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      // The bias (or +0, as the buffered tile adds) once at the end.
-      alignas(32) float b[kPanel] = {};
-      if (o.bias) std::memcpy(b, o.bias, sizeof(float) * o.ncols);
       _mm256_store_ps(row, _mm256_add_ps(a0[m][j], _mm256_load_ps(b)));
       _mm256_store_ps(row + 8, _mm256_add_ps(a1[m][j], _mm256_load_ps(b + 8)));
       std::memcpy(o.y + m * o.ldy, row, sizeof(float) * o.ncols);
@@ -208,28 +211,34 @@ void narrow_q4(const float* x, int64_t ldx, const uint8_t* const* panels, int64_
   }
 }
 
-// Rows [0, M) (M <= 2) of x against panels [p0, p1), kNarrowPanels at a time.
+// Panels side by side: eight accumulators at one row (four panels) and at two rows (two panels).
+template <int MR>
+constexpr int kNarrowPanels = MR == 1 ? 4 : 2;
+
+// narrow_q4 on the first np (1 .. NP) of `panels`.
+template <int MR, int NP = kNarrowPanels<MR>>
+void narrow_some(int np, const float* x, int64_t ldx, const uint8_t* const* panels, int64_t K, const Out* outs) {
+  if constexpr (NP > 1) {
+    if (np < NP) return narrow_some<MR, NP - 1>(np, x, ldx, panels, K, outs);
+  }
+  narrow_q4<MR, NP>(x, ldx, panels, K, outs);
+}
+
+// Rows [0, MR) of x against panels [p0, p1), kNarrowPanels<MR> at a time.
+template <int MR>
 void narrow_panels_q4(const Call<float>& c, const uint8_t* q, int64_t p0, int64_t p1) {
+  constexpr int kWidth = kNarrowPanels<MR>;
   const int64_t panel_bytes = c.K / kQGroup * kQGroupBytes;
-  for (int64_t p = p0; p < p1; p += kNarrowPanels) {
-    const uint8_t* panels[kNarrowPanels];
-    Out outs[kNarrowPanels];
-    const int np = static_cast<int>(std::min<int64_t>(kNarrowPanels, p1 - p));
+  for (int64_t p = p0; p < p1; p += kWidth) {
+    const uint8_t* panels[kWidth];
+    Out outs[kWidth];
+    const int np = static_cast<int>(std::min<int64_t>(kWidth, p1 - p));
     for (int j = 0; j < np; ++j) {
       panels[j] = q + (p + j) * panel_bytes;
       outs[j] = Out{c.y + (p + j) * kPanel, c.N, c.bias ? c.bias + (p + j) * kPanel : nullptr,
                     static_cast<int>(std::min(kPanel, c.N - (p + j) * kPanel)), true, true};
     }
-    switch ((c.M == 1 ? 10 : 20) + np) {
-      case 14: narrow_q4<1, 4>(c.x, c.ldx, panels, c.K, outs); break;
-      case 13: narrow_q4<1, 3>(c.x, c.ldx, panels, c.K, outs); break;
-      case 12: narrow_q4<1, 2>(c.x, c.ldx, panels, c.K, outs); break;
-      case 11: narrow_q4<1, 1>(c.x, c.ldx, panels, c.K, outs); break;
-      case 24: narrow_q4<2, 2>(c.x, c.ldx, panels, c.K, outs); narrow_q4<2, 2>(c.x, c.ldx, panels + 2, c.K, outs + 2); break;
-      case 23: narrow_q4<2, 2>(c.x, c.ldx, panels, c.K, outs); narrow_q4<2, 1>(c.x, c.ldx, panels + 2, c.K, outs + 2); break;
-      case 22: narrow_q4<2, 2>(c.x, c.ldx, panels, c.K, outs); break;
-      default: narrow_q4<2, 1>(c.x, c.ldx, panels, c.K, outs); break;
-    }
+    narrow_some<MR>(np, c.x, c.ldx, panels, c.K, outs);
   }
 }
 #endif
@@ -271,7 +280,8 @@ void run_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N, const floa
   const auto* q = packed.data_ptr<uint8_t>();
   split(P, K * kPanel * static_cast<int64_t>(sizeof(float)), [&](int64_t p0, int64_t p1, int64_t) {
 #if GPUSERV_AVX2
-    if (M <= 2) return narrow_panels_q4(c, q, p0, p1);
+    if (M == 1) return narrow_panels_q4<1>(c, q, p0, p1);
+    if (M == 2) return narrow_panels_q4<2>(c, q, p0, p1);
 #endif
     panels_q4(c, q, p0, p1);
   });
