@@ -41,7 +41,7 @@ def test_q4_panels_are_bit_identical_to_fp32_panels(f32ops, n, k, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 5, 8, 13, 48, 100):
+        for rows in (1, 2, 3, 4, 5, 7, 8, 13, 48, 100):
             x = torch.randn(rows, k)
             for tile_rows in (0, 1, 4, 6):
                 for bias in (None, b):

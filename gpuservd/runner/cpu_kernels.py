@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "gemv.cpp", CSRC / "packed_gemm.cpp",
            CSRC / "packed_gemm_f32.cpp", CSRC / "packed_panels_f32.cpp", CSRC / "decoder_stack.cpp",
-           CSRC / "q4_panels.cpp"]
+           CSRC / "q4_panels.cpp", CSRC / "q8_panels.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))  # included by the sources: part of the build hash
 ENV_SWITCH = "GPUSERV_CPU_KERNELS"
 

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from gpuservd.runner import cpu_kernels
 # HUGE_PAGES_SWITCH is re-exported: tests and scripts name it from here, with the other switches.
-from gpuservd.runner import q4_panels
+from gpuservd.runner import code_panels
 from gpuservd.runner.panel_arena import HUGE_PAGES_SWITCH, PanelArena, huge_pages_on, switch_on  # noqa: F401
 
 # oneDNN builds and caches one kernel per distinct row count. Rows above EXACT_ROWS
@@ -129,13 +129,13 @@ def pack_panels(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tenso
 
 
 def pack_panels_exact(w: torch.Tensor, arena: PanelArena | None = None) -> torch.Tensor:
-    """Column panels of W [N, K] fp32: 4-bit codes when W is exactly a 4-bit grid (q4_panels.py), in bf16
+    """Column panels of W [N, K] fp32: 4- or 8-bit codes when W is exactly such a grid (code_panels.py), in bf16
     when every value of W is exactly a bf16 (bit-identical products, half the bytes) and the kernels can
     build them, else in fp32; cut from the arena's blocks when given."""
     ops = cpu_kernels.get() if w.device.type == "cpu" and w.dtype == torch.float32 else None
-    q4 = q4_panels.pack_exact(w, ops, arena) if ops is not None else None  # on a 4-bit grid: its codes
-    if q4 is not None:
-        return q4
+    codes = code_panels.pack_exact(w, ops, arena) if ops is not None else None  # on a GGUF grid: its codes
+    if codes is not None:
+        return codes
     if (ops is not None and hasattr(ops, "pack_panels_bf16") and switch_on(BF16_PANELS_SWITCH)
             and ops.bf16_exact(w)):
         if arena is not None:
@@ -150,7 +150,7 @@ def unpack_panels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The dense W [n, k] a column-panel tensor holds (fp32 from bf16 panels: exact)."""
     p = packed.shape[0]
     if packed.dtype == torch.uint8:
-        return q4_panels.unpack(packed, n, k)
+        return code_panels.unpack(packed, n, k)
     if packed.dtype == torch.bfloat16:
         packed = packed[:, :, BF16_PANEL_POS].float()
     return packed.transpose(1, 2).reshape(p * PANEL, k)[:n]
@@ -251,8 +251,8 @@ class Linear:
         """W[ids] [len(ids), in]: an embedding lookup on the (tied) weight, whatever its layout."""
         if self.packed is None:
             return self.weight.index_select(0, ids)
-        if self.packed.dtype == torch.uint8:  # 4-bit panels (a GGUF Q4_1 embedding)
-            return q4_panels.rows(self.packed, ids, self.in_features)
+        if self.packed.dtype == torch.uint8:  # code panels (a GGUF Q8_0 or Q4_1 embedding)
+            return code_panels.rows(self.packed, ids, self.in_features)
         # One gather (advanced indexing on the 4-D view took 1.4 ms for 32 ids, this ~0.02 ms).
         # Column panels: element (n, c) lies at flat ((n // 16) * in + c) * 16 + n % 16 (bf16 ones: at
         # BF16_PANEL_POS[n % 16] in place of n % 16). Pair panels: at ((n // 16) * k2 + c // 2) * 32 +

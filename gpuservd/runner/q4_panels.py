@@ -5,9 +5,10 @@ fp32, q in 0..15, d and m fp16 per 32 input positions of a row) is, value for va
 as its codes it takes 5 bits a weight instead of 32 (the scales and offsets included), and
 csrc/q4_panels.cpp expands them back to the same fp32 values before the same FMAs, so a matmul's results
 are bit-identical to the fp32 panels'. The grid is found and checked value by value at load
-(pack_panels_q4, in the same file); one value off and the weight keeps its fp32 (or bf16) panels.
+(pack_panels_q4, in the same file; code_panels.py tries each format); one value off and the weight keeps
+its fp32 (or bf16) panels.
 It matters where a step is a pass over the weights, a decode step of a few rows: fp32 panels read 538 MB
-a step for SmolLM2, these 180 MB (its tied LM head, an 8-bit grid, stays fp32).
+a step for SmolLM2, these 95 MB (its tied LM head, an 8-bit grid, in q8_panels.py's 8-bit panels).
 
 `GPUSERV_PANELS_Q4=0` keeps such weights in fp32 panels (the A/B reference).
 
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from gpuservd.runner.panel_arena import PanelArena, switch_on
-
 Q4_SWITCH = "GPUSERV_PANELS_Q4"
+SWITCH = Q4_SWITCH
+PACK_OP = "pack_panels_q4"  # the kernels' op that finds and checks the grid (csrc/q4_panels.cpp)
 GROUP = 32  # input positions per scale and offset (GGUF's block)
 GROUP_BYTES = 64 + GROUP * 8
 PANEL = 16
@@ -49,18 +50,3 @@ def rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     nib = blocks[..., 64:].reshape(len(ids), -1, GROUP, 8).gather(3, (j % 8)[..., None].expand(-1, blocks.shape[1], GROUP, 1))
     q = torch.where(j[..., None] < 8, nib & 15, nib >> 4).squeeze(3).float()  # [n, g, 32]
     return (q * d + m).reshape(len(ids), -1)[:, :k]
-
-
-def pack_exact(w: torch.Tensor, ops, arena: PanelArena | None = None) -> torch.Tensor | None:
-    """W [N, K] fp32 as 4-bit panels when it is exactly a 4-bit grid (found and checked by the kernels'
-    pack_panels_q4) and the switch is on, else None."""
-    if not switch_on(Q4_SWITCH) or w.device.type != "cpu" or not hasattr(ops, "pack_panels_q4"):
-        return None
-    packed = ops.pack_panels_q4(w)
-    if packed.numel() == 0:
-        return None
-    if arena is None:
-        return packed
-    out = arena.empty(tuple(packed.shape), torch.uint8)
-    out.copy_(packed)
-    return out

@@ -139,21 +139,24 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* 
 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]); packed = W in column panels [ceil(N/16), K, 16], fp32 or
 // (a bf16-exact W, from pack_panels_bf16) bf16 halves.
-// tile_rows: the register tile's height (0: this build's own; 1-12 for tests of every tile).
+// tile_rows: the register tile's height (0: this build's own, and code panels' narrow path at few rows;
+// 1-12 for tests of every tile).
 // into: where to write y (packed_linear_f32_out: a buffer reused step after step), else a new tensor.
 at::Tensor packed_linear_f32_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                                   const std::optional<at::Tensor>& bias, int64_t tile_rows, const at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear_f32: CPU tensors only");
-  const bool q4 = packed.scalar_type() == at::kByte;
+  const bool codes = packed.scalar_type() == at::kByte;
   TORCH_CHECK(x.scalar_type() == at::kFloat &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16 || q4),
-              "packed_linear_f32: fp32 x and an fp32, bf16 or 4-bit (uint8) panel weight only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == (q4 ? kQGroupBytes : kPanel) && packed.is_contiguous(),
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16 || codes),
+              "packed_linear_f32: fp32 x and an fp32, bf16 or 4-/8-bit (uint8) panel weight only");
+  const bool q8 = codes && packed.dim() == 3 && packed.size(2) == kQ8GroupBytes;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  (codes ? packed.size(2) == kQGroupBytes || q8 : packed.size(2) == kPanel),
               "packed_linear_f32: weight must be a contiguous panel tensor [P, K, 16] (4-bit: [P, K / 32, ",
-              kQGroupBytes, "]), got ", packed.sizes());
+              kQGroupBytes, "], 8-bit: [P, K / 32, ", kQ8GroupBytes, "]), got ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear_f32: x must be [M, K] with unit column stride");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  const int64_t packed_k = q4 ? packed.size(1) * kQGroup : packed.size(1);
+  const int64_t packed_k = codes ? packed.size(1) * kQGroup : packed.size(1);
   TORCH_CHECK(packed_k == K && N > 0 && (N + kPanel - 1) / kPanel == P,
               "packed_linear_f32: x is [", M, ", ", K, "] but the weight packs [", N, ", ", packed_k, "]");
   TORCH_CHECK(tile_rows >= 0 && tile_rows <= kMrCap, "packed_linear_f32: tile_rows must be 0-", kMrCap);
@@ -169,8 +172,10 @@ at::Tensor packed_linear_f32_into(const at::Tensor& x, const at::Tensor& packed,
   if (M == 0 || K == 0) return K == 0 && M ? (has_bias ? y.copy_(bias->expand({M, N})) : y.zero_()) : y;
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   const int mr = tile_rows ? static_cast<int>(tile_rows) : kMr;
-  if (q4)
-    run_q4(x, packed, N, b, y, mr);
+  if (q8)
+    run_q8(x, packed, N, b, y, mr, tile_rows == 0);
+  else if (codes)
+    run_q4(x, packed, N, b, y, mr, tile_rows == 0);
   else if (packed.scalar_type() == at::kFloat)
     run<float>(x, packed, N, b, y, mr);
   else

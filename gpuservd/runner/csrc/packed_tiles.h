@@ -1,5 +1,5 @@
-// The pieces the column-panel matmuls share (packed_gemm_f32.cpp: fp32 and bf16 panels; q4_panels.cpp:
-// 4-bit panels): the register tiles over an fp32 panel slice, the arguments of a call, and the work
+// The pieces the column-panel matmuls share (packed_gemm_f32.cpp: fp32 and bf16 panels; code_panels.h:
+// 4-bit and 8-bit code panels): the register tiles over an fp32 panel slice, the arguments of a call, and the work
 // split over the threads. The layout and the reasons are in packed_gemm_f32.cpp's header.
 #pragma once
 
@@ -258,10 +258,15 @@ void split(int64_t P, int64_t panel_bytes, F&& fn) {
   });
 }
 
-constexpr int64_t kQGroup = 32;                      // 4-bit panels: k positions per scale and offset
-constexpr int64_t kQGroupBytes = 64 + kQGroup * 8;  // 16 fp16 scales, 16 fp16 offsets, 32 steps of 16 nibbles
+constexpr int64_t kQGroup = 32;                        // code panels: k positions per scale (and offset)
+constexpr int64_t kQGroupBytes = 64 + kQGroup * 8;    // 4-bit: 16 fp16 scales, 16 fp16 offsets, 32 steps of 16 nibbles
+constexpr int64_t kQ8GroupBytes = 32 + kQGroup * 16;  // 8-bit: 16 fp16 scales, 32 steps of 16 signed bytes
 
-// y [M, N] = x @ W^T (+ bias) with W in 4-bit panels [P, K / 32, 320] (q4_panels.cpp).
-void run_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max);
+// y [M, N] = x @ W^T (+ bias) with W in 4-bit panels [P, K / 32, 320] (q4_panels.cpp) or 8-bit panels
+// [P, K / 32, 544] (q8_panels.cpp). narrow: few rows may take code_panels.h's register-expanded path.
+void run_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max,
+            bool narrow);
+void run_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias, at::Tensor& y, int mr_max,
+            bool narrow);
 
 }  // namespace gpuserv_panels
