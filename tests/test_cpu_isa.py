@@ -57,3 +57,26 @@ def test_llama_server_has_an_avx2_build_of_its_own():
     # On an AVX2-only CPU the native build already is the AVX2 build.
     assert llama_peer.build_variant("avx2", AVX512_CPU - {"avx512f", "avx512vl", "avx512bw", "avx512_bf16"}) == "native"
     assert llama_peer.build_variant("native", AVX512_CPU) == "native"
+
+
+def test_the_kernels_compile_without_avx2(monkeypatch):
+    """A CPU without AVX2/FMA/F16C (an older x86) gets the kernels' scalar paths: the column-panel matmuls'
+    shared header and both code-panel formats must compile without the vector flags (a type defined only
+    under AVX2 once broke that build, and the engine then ran without any C++ kernel)."""
+    import platform
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C++ compiler for x86-64")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse4_2"})
+    flags = cpu_kernels._cflags()
+    assert not [f for f in flags if f.startswith("-mavx") or f in ("-mfma", "-mf16c")]
+    for source in ("packed_gemm_f32.cpp", "q8_panels.cpp"):
+        cmd = [compiler, *flags, "-march=x86-64", "-fsyntax-only", *(f"-I{p}" for p in include_paths()),
+               str(cpu_kernels.CSRC / source)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -40,6 +40,14 @@ struct Out {
   bool first, last;    // first K block: start from zero; last: add the bias
 };
 
+// The prefetches a tile issues while it runs: count consecutive 64-byte lines from at (into L2), one
+// every `every` k steps from the first.
+struct Pf {
+  const char* at;
+  int64_t count;
+  int64_t every;
+};
+
 #if GPUSERV_AVX2
 inline __m256i lane_mask(int n) {  // lanes [0, n) set
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -71,13 +79,6 @@ inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, co
 }
 
 // MR rows of x (row stride ldx, from column k0) against one panel slice w [kc][16].
-// The prefetches a tile issues while it runs: count consecutive 64-byte lines from at (into L2), one
-// every `every` k steps from the first.
-struct Pf {
-  const char* at;
-  int64_t count;
-  int64_t every;
-};
 
 template <int MR, typename T>
 inline void micro(const float* __restrict x, int64_t ldx, const T* __restrict w, int64_t kc, const Out& o,
