@@ -48,9 +48,12 @@
 // runs the matmul on them). Per panel and group of 32 k: 16 fp16 scales, 16 fp16 offsets, then 32 k
 // steps of 16 nibbles (column j in byte j % 8, low nibble for j < 8). Each K block is expanded into an
 // L1 buffer of fp32 panel (one FMA a value: q * d is exact in fp32, so q * d + m rounds once, as the
-// dequantisation did) and the fp32 tiles run over it; at 1-2 rows the codes of several panels are
+// dequantisation did) and the fp32 tiles run over it; at 1-4 rows the codes of several panels are
 // expanded in registers instead, side by side. Bit-identical results either way, and at the 1-8 rows
-// of a decode tail, where a step is a pass over the weights, a seventh of the bytes.
+// of a decode tail, where a step is a pass over the weights, a seventh of the bytes. 8-bit panels hold a
+// weight that is exactly q * d per 32 input positions (GGUF's Q8_0: the store's SmolLM2 embedding and
+// tied LM head) the same way (q8_panels.cpp, 8.5 bits a weight; in registers up to 8 rows); both
+// formats run through code_panels.h.
 //
 // Numerics: fp32 products and fp32 accumulation along k in order within a K
 // block; the bias is added once at the end. The summation order differs from
