@@ -131,7 +131,7 @@ void narrow_panels(const Call<float>& c, const uint8_t* q, int64_t m0, int64_t p
 // registers: the rows in passes of at most four, nearly equal (7: 4 + 3), over kNarrowWidest panels at a
 // time, so a pass after the first reads the same panels' codes again from L1. The buffered path at 1-4
 // rows ran at a fifth to a half of the FMA peak (every value through a store and a load, and tiles with
-// too few accumulators to cover the FMA latency): this one was 1.2-2x faster there (2 threads, SmolLM2's
+// too few accumulators to cover the FMA latency): this one was 1.16-2.1x faster there (2 threads, SmolLM2's
 // shapes, from DRAM and from L3).
 template <typename Fmt>
 void narrow_rows(const Call<float>& c, const uint8_t* q, int64_t p0, int64_t p1) {

@@ -111,7 +111,7 @@ struct Q4 {
   static constexpr int64_t kGroupBytes = kQGroupBytes;
   static constexpr int kParams = 4;  // scales of columns 0-7, 8-15, offsets of 0-7, 8-15
   // At 5-8 rows two passes each expanding the codes again were level with the buffered 6-row tiles or
-  // slower (2 threads, SmolLM2's shapes); at 1-4 rows 1.2-1.9x faster.
+  // slower (2 threads, SmolLM2's shapes); at 1-4 rows 1.16-1.9x faster.
   static constexpr int64_t kNarrowRowsMax = 4;
 #if GPUSERV_AVX2
   // A k step's 16 codes as fp32 (q0: columns 0-7, q1: 8-15). Byte j of a step holds column j (low nibble)

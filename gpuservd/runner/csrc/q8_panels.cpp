@@ -106,7 +106,8 @@ struct Q8 {
   static constexpr int64_t kGroupBytes = kQ8GroupBytes;
   static constexpr int kParams = 2;  // scales of columns 0-7, 8-15
   // Level with the buffered 6-row tiles or faster up to 8 rows (2 threads, SmolLM2's LM head: 1.2-1.4x at 8,
-  // 1.5-2x at 1-4), where the buffered tiles of the head also ran slower than fp32 panels four times its size.
+  // 1.35-2.1x at 1-4), where the buffered tiles of the head also ran slower than fp32 panels four times
+  // its size.
   static constexpr int64_t kNarrowRowsMax = 8;
 #if GPUSERV_AVX2
   static inline __attribute__((always_inline)) void params(const uint8_t* blk, float (*p)[8]) {
