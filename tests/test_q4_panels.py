@@ -24,20 +24,22 @@ def f32ops(ops):
     return ops
 
 
-def q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Random weights through GGUF's own Q4_1 quantiser and dequantiser (what the store holds for SmolLM2)."""
+def gguf_grid(n: int, k: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
+    """Random weights through GGUF's own quantiser and dequantiser of `kind`."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    q = quantize(w, GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(np.ascontiguousarray(dequantize(q, GGMLQuantizationType.Q4_1), dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(w, kind), kind), dtype=np.float32))
 
 
-@pytest.mark.parametrize("n,k", [(40, 64), (96, 576), (576, 1536)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_q4_panels_are_bit_identical_to_fp32_panels(f32ops, n, k, threads):
-    w, b = q4_1(n, k, seed=n), torch.randn(n)
-    qp, fp = f32ops.pack_panels_q4(w), pack_panels(w)
-    assert qp.dtype == torch.uint8 and qp.shape == (-(-n // 16), k // 32, q4_panels.GROUP_BYTES)
-    assert torch.equal(q4_panels.unpack(qp, n, k), w)
+def q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Weights as the store holds SmolLM2's projections: GGUF Q4_1, dequantised."""
+    return gguf_grid(n, k, GGMLQuantizationType.Q4_1, seed)
+
+
+def assert_same_as_fp32_panels(ops, qp, w, b, threads):
+    """The matmul on code panels qp gives the bits fp32 panels of w give, at every row count (the register
+    path and the buffered one) and every tile height, with and without the bias."""
+    n, k = w.shape
+    fp = pack_panels(w)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -45,12 +47,41 @@ def test_q4_panels_are_bit_identical_to_fp32_panels(f32ops, n, k, threads):
             x = torch.randn(rows, k)
             for tile_rows in (0, 1, 4, 6):
                 for bias in (None, b):
-                    a = f32ops.packed_linear_f32(x, fp, n, bias, tile_rows)
-                    c = f32ops.packed_linear_f32(x, qp, n, bias, tile_rows)
+                    a = ops.packed_linear_f32(x, fp, n, bias, tile_rows)
+                    c = ops.packed_linear_f32(x, qp, n, bias, tile_rows)
                     assert torch.equal(a, c), (rows, tile_rows)
             torch.testing.assert_close(c, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(old)
+
+
+def engine_outputs(model_dir, name: str):
+    """A float32 engine on model_dir (switches as the environment has them), four requests to the end:
+    (the engine, each request's logprobs a token)."""
+    from gpuservd.config import EngineConfig
+    from gpuservd.engine.engine import LLMEngine
+    from gpuservd.engine.request import SamplingParams
+
+    eng = LLMEngine(name, model_dir, EngineConfig(model=name, dtype="float32", kv_cache_bytes=4 << 20, block_size=4))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False, logprobs=3)
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate((1, 9, 40, 5)):
+        eng.add_request(f"r{i}", torch.randint(3, 290, (n,), generator=g).tolist(), params)
+    got: dict = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.logprobs or [])
+    return eng, got
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (96, 576), (576, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_panels_are_bit_identical_to_fp32_panels(f32ops, n, k, threads):
+    w, b = q4_1(n, k, seed=n), torch.randn(n)
+    qp = f32ops.pack_panels_q4(w)
+    assert qp.dtype == torch.uint8 and qp.shape == (-(-n // 16), k // 32, q4_panels.GROUP_BYTES)
+    assert torch.equal(q4_panels.unpack(qp, n, k), w)
+    assert_same_as_fp32_panels(f32ops, qp, w, b, threads)
 
 
 def test_linear_takes_q4_panels_only_for_an_exact_grid(f32ops, monkeypatch):
@@ -88,9 +119,6 @@ def test_a_model_on_q4_grids_answers_the_same_with_its_codes(f32ops, tmp_path, m
     from safetensors.torch import load_file, save_file
 
     from gpuservd.bench.floor import held_weight_bytes
-    from gpuservd.config import EngineConfig
-    from gpuservd.engine.engine import LLMEngine
-    from gpuservd.engine.request import SamplingParams
 
     model_dir = make_model_dir(tmp_path / "q4")
     path = model_dir / "model.safetensors"
@@ -102,19 +130,9 @@ def test_a_model_on_q4_grids_answers_the_same_with_its_codes(f32ops, tmp_path, m
 
     def run(switch: str):
         monkeypatch.setenv(q4_panels.Q4_SWITCH, switch)
-        eng = LLMEngine("q4", model_dir, EngineConfig(model="q4", dtype="float32", kv_cache_bytes=4 << 20,
-                                                      block_size=4))
+        eng, got = engine_outputs(model_dir, "q4")
         kinds = {eng.runner.weights.layer(0).qkv.packed.dtype, eng.runner.weights.layer(0).down.packed.dtype}
-        held = held_weight_bytes(eng.runner.weights, eng.runner.arch.num_layers)
-        params = SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False, logprobs=3)
-        g = torch.Generator().manual_seed(0)
-        for i, n in enumerate((1, 9, 40, 5)):
-            eng.add_request(f"r{i}", torch.randint(3, 290, (n,), generator=g).tolist(), params)
-        got: dict = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.logprobs or [])
-        return kinds, held, got
+        return kinds, held_weight_bytes(eng.runner.weights, eng.runner.arch.num_layers), got
 
     (q4_kinds, q4_bytes, q4), (fp_kinds, fp_bytes, fp) = run("1"), run("0")
     assert q4_kinds == {torch.uint8} and fp_kinds == {torch.float32}

@@ -6,29 +6,19 @@ exactly, and a model whose tied LM head is such a weight answers with the same l
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from test_q4_panels import assert_same_as_fp32_panels, engine_outputs, f32ops, gguf_grid, q4_1  # noqa: F401 (fixture)
 
 from gpuservd.runner import code_panels, q4_panels, q8_panels
-from gpuservd.runner.linear import Linear, pack_panels
-
-
-@pytest.fixture
-def f32ops(ops):
-    if not ops.packed_f32_available():
-        pytest.skip("kernels built without AVX2/FMA: fp32 stays dense (oneDNN / F.linear)")
-    return ops
+from gpuservd.runner.linear import Linear
 
 
 def q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Random weights through GGUF's own Q8_0 quantiser and dequantiser."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    q = quantize(w, GGMLQuantizationType.Q8_0)
-    return torch.from_numpy(np.ascontiguousarray(dequantize(q, GGMLQuantizationType.Q8_0), dtype=np.float32))
+    """Weights as the store holds SmolLM2's embedding and tied LM head: GGUF Q8_0, dequantised."""
+    return gguf_grid(n, k, GGMLQuantizationType.Q8_0, seed)
 
 
 @pytest.mark.parametrize("n,k", [(40, 64), (100, 576)])
@@ -36,23 +26,10 @@ def q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
 def test_q8_panels_are_bit_identical_to_fp32_panels(f32ops, n, k, threads):
     w, b = q8_0(n, k, seed=n), torch.randn(n)
     w[3, 32:64] = 0.0  # a group of zeros: scale 0
-    qp, fp = f32ops.pack_panels_q8(w), pack_panels(w)
+    qp = f32ops.pack_panels_q8(w)
     assert qp.dtype == torch.uint8 and qp.shape == (-(-n // 16), k // 32, q8_panels.GROUP_BYTES)
     assert torch.equal(q8_panels.unpack(qp, n, k), w)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for rows in (1, 2, 3, 4, 5, 7, 8, 13, 48, 100):
-            x = torch.randn(rows, k)
-            for tile_rows in (0, 1, 4, 6):
-                for bias in (None, b):
-                    a = f32ops.packed_linear_f32(x, fp, n, bias, tile_rows)
-                    c = f32ops.packed_linear_f32(x, qp, n, bias, tile_rows)
-                    assert torch.equal(a, c), (rows, tile_rows)
-            torch.testing.assert_close(c, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    finally:
-        torch.set_num_threads(old)
-
+    assert_same_as_fp32_panels(f32ops, qp, w, b, threads)
 
 def test_linear_takes_q8_panels_only_for_an_exact_grid(f32ops, monkeypatch):
     w = q8_0(64, 128, seed=1)
@@ -73,8 +50,6 @@ def test_linear_takes_q8_panels_only_for_an_exact_grid(f32ops, monkeypatch):
 
 def test_each_grid_gets_its_own_format(f32ops):
     """A Q4_1 weight is not taken for an 8-bit one or the reverse; a 4-bit grid takes the fewer bytes."""
-    from test_q4_panels import q4_1
-
     w4, w8 = q4_1(32, 64), q8_0(32, 64)
     assert code_panels.format_of(code_panels.pack_exact(w4, f32ops)) is q4_panels
     assert code_panels.format_of(code_panels.pack_exact(w8, f32ops)) is q8_panels
@@ -100,9 +75,6 @@ def test_a_model_with_a_q8_lm_head_answers_the_same_with_its_codes(f32ops, tmp_p
     from safetensors.torch import load_file, save_file
 
     from gpuservd.bench.floor import held_weight_bytes
-    from gpuservd.config import EngineConfig
-    from gpuservd.engine.engine import LLMEngine
-    from gpuservd.engine.request import SamplingParams
 
     model_dir = make_model_dir(tmp_path / "q8", tie_word_embeddings=True)
     path = model_dir / "model.safetensors"
@@ -114,20 +86,10 @@ def test_a_model_with_a_q8_lm_head_answers_the_same_with_its_codes(f32ops, tmp_p
 
     def run(switch: str):
         monkeypatch.setenv(q8_panels.SWITCH, switch)
-        eng = LLMEngine("q8", model_dir, EngineConfig(model="q8", dtype="float32", kv_cache_bytes=4 << 20,
-                                                      block_size=4))
+        eng, got = engine_outputs(model_dir, "q8")
         assert eng.runner.weights.tied
         head = eng.runner.weights.lm_head.packed
-        held = held_weight_bytes(eng.runner.weights, eng.runner.arch.num_layers)
-        params = SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False, logprobs=3)
-        g = torch.Generator().manual_seed(0)
-        for i, n in enumerate((1, 9, 40, 5)):
-            eng.add_request(f"r{i}", torch.randint(3, 290, (n,), generator=g).tolist(), params)
-        got: dict = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.logprobs or [])
-        return head.shape[-1], held, got
+        return head.shape[-1], held_weight_bytes(eng.runner.weights, eng.runner.arch.num_layers), got
 
     (q8_width, q8_bytes, q8), (fp_width, fp_bytes, fp) = run("1"), run("0")
     assert q8_width == q8_panels.GROUP_BYTES and fp_width == 16
