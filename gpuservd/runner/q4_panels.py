@@ -8,7 +8,7 @@ are bit-identical to the fp32 panels'. The grid is found and checked value by va
 (pack_panels_q4, in the same file; code_panels.py tries each format); one value off and the weight keeps
 its fp32 (or bf16) panels.
 It matters where a step is a pass over the weights, a decode step of a few rows: fp32 panels read 538 MB
-a step for SmolLM2, these 95 MB (its tied LM head, an 8-bit grid, in q8_panels.py's 8-bit panels).
+a step for SmolLM2, these 96 MB (with its tied LM head, an 8-bit grid held in q8_panels.py's 8-bit panels).
 
 `GPUSERV_PANELS_Q4=0` keeps such weights in fp32 panels (the A/B reference).
 
