@@ -97,7 +97,7 @@ def test_linear_takes_q4_panels_only_for_an_exact_grid(f32ops, monkeypatch):
     off[5, 7] = torch.nextafter(off[5, 7], torch.tensor(1.0))  # one value one ulp off its grid
     assert f32ops.pack_panels_q4(off).numel() == 0 and Linear(off).packed.dtype == torch.float32
     assert f32ops.pack_panels_q4(torch.randn(64, 128)).numel() == 0
-    monkeypatch.setenv(q4_panels.Q4_SWITCH, "0")
+    monkeypatch.setenv(q4_panels.SWITCH, "0")
     assert Linear(w.clone()).packed.dtype == torch.float32
     torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
@@ -129,7 +129,7 @@ def test_a_model_on_q4_grids_answers_the_same_with_its_codes(f32ops, tmp_path, m
     save_file(tensors, path)
 
     def run(switch: str):
-        monkeypatch.setenv(q4_panels.Q4_SWITCH, switch)
+        monkeypatch.setenv(q4_panels.SWITCH, switch)
         eng, got = engine_outputs(model_dir, "q4")
         kinds = {eng.runner.weights.layer(0).qkv.packed.dtype, eng.runner.weights.layer(0).down.packed.dtype}
         return kinds, held_weight_bytes(eng.runner.weights, eng.runner.arch.num_layers), got

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-Q4_SWITCH = "GPUSERV_PANELS_Q4"
-SWITCH = Q4_SWITCH
+SWITCH = "GPUSERV_PANELS_Q4"
 PACK_OP = "pack_panels_q4"  # the kernels' op that finds and checks the grid (csrc/q4_panels.cpp)
 GROUP = 32  # input positions per scale and offset (GGUF's block)
 GROUP_BYTES = 64 + GROUP * 8

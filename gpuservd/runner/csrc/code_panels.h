@@ -5,17 +5,64 @@
 //
 // A format Fmt says how its panels are laid out and expanded:
 //   kGroupBytes            bytes of one panel's group of kQGroup k positions;
-//   kParams                fp32 vectors of per-group parameters (8 columns each);
+//   kParams                fp16 vectors of per-group parameters (8 columns each) at the start of a group
+//                          (load_params widens them);
 //   kNarrowRowsMax         rows of x up to which the codes are expanded in registers (narrow_rows), in
 //                          passes of at most four rows; past it, into a buffer once for the fp32 tiles;
-//   params(blk, p)         the group's parameters (p[kParams][8]) from its block;
 //   weights(blk, kk, p, w0, w1)   k step kk of the group as fp32, columns 0-7 and 8-15;
 //   value(blk, kk, j)      the same for one column, in scalar code (a build without AVX2).
 #pragma once
 
+#include <ATen/ops/empty.h>
+
 #include "packed_tiles.h"
 
 namespace gpuserv_panels {
+
+inline uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// W [N, K] fp32 -> code panels [ceil(N/16), K/32, group_bytes] uint8, or an empty tensor when a group has
+// no grid. fill(v, blk, j) writes column j of the group block blk (zeroed first: padded columns stay
+// 0) from the 32 values v of that row, or returns false. The first group without a grid stops every thread.
+template <typename Fill>
+at::Tensor pack_codes(const at::Tensor& w, int64_t group_bytes, const char* name, Fill&& fill) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2, name,
+              ": an fp32 CPU matrix only");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  if (K % kQGroup || N == 0) return at::empty({0}, wc.options().dtype(at::kByte));
+  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kQGroup;
+  at::Tensor out = at::empty({P, G, group_bytes}, wc.options().dtype(at::kByte));
+  const float* src = wc.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1 && exact.load(std::memory_order_relaxed); ++p)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* blk = dst + (p * G + g) * group_bytes;
+        std::memset(blk, 0, group_bytes);
+        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+          if (!fill(src + (p * kPanel + j) * K + g * kQGroup, blk, j)) {
+            exact.store(false, std::memory_order_relaxed);
+            return;
+          }
+      }
+  });
+  return exact.load() ? out : at::empty({0}, wc.options().dtype(at::kByte));
+}
+
+#if GPUSERV_AVX2
+// A group's N parameter vectors (fp16, 8 columns each, at the block's start) widened to p[N][8].
+template <int N>
+inline __attribute__((always_inline)) void load_params(const uint8_t* blk, float (*p)[8]) {
+  for (int h = 0; h < N; ++h)
+    _mm256_store_ps(p[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h))));
+}
+#endif
 
 // Panel `panel`'s k positions [k0, k0 + kc) (multiples of kQGroup) as fp32 panel steps in buf [kc][16].
 // Not inlined: inlined into panels_codes, its constants stayed live in registers through the 6-row tiles,
@@ -28,7 +75,7 @@ __attribute__((noinline)) void expand_codes(const uint8_t* panel, int64_t k0, in
     float* out = buf + (g * kQGroup - k0) * kPanel;
 #if GPUSERV_AVX2
     alignas(32) float p[Fmt::kParams][8];
-    fmt.params(blk, p);
+    load_params<Fmt::kParams>(blk, p);
     for (int64_t kk = 0; kk < kQGroup; ++kk, out += kPanel) {
       __m256 w0, w1;
       fmt.weights(blk, kk, p, w0, w1);
@@ -61,7 +108,7 @@ void narrow_codes(const float* x, int64_t ldx, const uint8_t* const* panels, int
   const Fmt fmt;
   alignas(32) float p[NP][Fmt::kParams][8];
   for (int64_t g = 0; g < K / kQGroup; ++g) {
-    for (int j = 0; j < NP; ++j) fmt.params(panels[j] + g * Fmt::kGroupBytes, p[j]);
+    for (int j = 0; j < NP; ++j) load_params<Fmt::kParams>(panels[j] + g * Fmt::kGroupBytes, p[j]);
     for (int64_t kk = 0; kk < kQGroup; ++kk) {
       const int64_t k = g * kQGroup + kk;
       __m256 xb[MR];

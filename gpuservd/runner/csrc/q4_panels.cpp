@@ -29,18 +29,13 @@ namespace {
 using gpuserv_panels::kPanel;
 using gpuserv_panels::kQGroup;
 using gpuserv_panels::kQGroupBytes;
-
-inline uint32_t bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using gpuserv_panels::float_bits;
 
 // Codes of the 32 values v on the grid (d, m), if it reproduces every one of them bit for bit.
 inline bool fits(const float* v, float d, float m, uint8_t* q) {
   for (int i = 0; i < kQGroup; ++i) {
     const float c = d == 0.f ? 0.f : std::min(15.f, std::max(0.f, std::nearbyint((v[i] - m) / d)));
-    if (bits(std::fma(c, d, m)) != bits(v[i])) return false;
+    if (float_bits(std::fma(c, d, m)) != float_bits(v[i])) return false;
     q[i] = static_cast<uint8_t>(c);
   }
   return true;
@@ -51,7 +46,7 @@ bool group_grid(const float* v, uint16_t& d16, uint16_t& m16, uint8_t* q) {
   const auto [lo_it, hi_it] = std::minmax_element(v, v + kQGroup);
   const float lo = *lo_it, span = *hi_it - lo;
   const c10::Half m(lo);
-  if (bits(static_cast<float>(m)) != bits(lo)) return false;
+  if (float_bits(static_cast<float>(m)) != float_bits(lo)) return false;
   m16 = m.x;
   for (int top = 15; top >= 1; --top) {
     const uint16_t base = c10::Half(span / static_cast<float>(top)).x;
@@ -70,35 +65,14 @@ bool group_grid(const float* v, uint16_t& d16, uint16_t& m16, uint8_t* q) {
 
 // W [N, K] fp32 -> [ceil(N/16), K/32, 320] uint8, or an empty tensor when W is not exactly a 4-bit grid.
 at::Tensor pack_panels_q4(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
-              "pack_panels_q4: an fp32 CPU matrix only");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  if (K % kQGroup || N == 0) return at::empty({0}, wc.options().dtype(at::kByte));
-  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kQGroup;
-  at::Tensor out = at::empty({P, G, kQGroupBytes}, wc.options().dtype(at::kByte));
-  const float* src = wc.data_ptr<float>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  return gpuserv_panels::pack_codes(w, kQGroupBytes, "pack_panels_q4", [](const float* v, uint8_t* blk, int64_t j) {
     uint8_t q[kQGroup];
-    for (int64_t p = p0; p < p1 && exact.load(std::memory_order_relaxed); ++p)
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* blk = dst + (p * G + g) * kQGroupBytes;
-        std::memset(blk, 0, kQGroupBytes);  // padded columns: 0 * 0 + 0
-        auto* d16 = reinterpret_cast<uint16_t*>(blk);
-        auto* m16 = reinterpret_cast<uint16_t*>(blk + 32);
-        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
-          if (!group_grid(src + (p * kPanel + j) * K + g * kQGroup, d16[j], m16[j], q)) {
-            exact.store(false, std::memory_order_relaxed);
-            return;
-          }
-          for (int64_t kk = 0; kk < kQGroup; ++kk)
-            blk[64 + 8 * kk + j % 8] |= static_cast<uint8_t>(j < 8 ? q[kk] : q[kk] << 4);
-        }
-      }
+    if (!group_grid(v, reinterpret_cast<uint16_t*>(blk)[j], reinterpret_cast<uint16_t*>(blk + 32)[j], q))
+      return false;
+    for (int64_t kk = 0; kk < kQGroup; ++kk)
+      blk[64 + 8 * kk + j % 8] |= static_cast<uint8_t>(j < 8 ? q[kk] : q[kk] << 4);
+    return true;
   });
-  return exact.load() ? out : at::empty({0}, wc.options().dtype(at::kByte));
 }
 
 }  // namespace
@@ -123,10 +97,6 @@ struct Q4 {
                                           4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i low = _mm256_set1_epi32(0x0F);
 
-  static inline __attribute__((always_inline)) void params(const uint8_t* blk, float (*p)[8]) {
-    for (int h = 0; h < kParams; ++h)
-      _mm256_store_ps(p[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h))));
-  }
   inline __attribute__((always_inline)) void weights(const uint8_t* blk, int64_t kk, const float (*p)[8], __m256& w0,
                                                      __m256& w1) const {
     int64_t bits;

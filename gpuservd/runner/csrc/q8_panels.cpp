@@ -27,12 +27,7 @@ namespace {
 using gpuserv_panels::kPanel;
 using gpuserv_panels::kQ8GroupBytes;
 using gpuserv_panels::kQGroup;
-
-inline uint32_t bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using gpuserv_panels::float_bits;
 
 // The group's scale (fp16 bits) and codes, if one reproduces all 32 values v bit for bit.
 bool group_scale(const float* v, uint16_t& d16, int8_t* q) {
@@ -41,7 +36,7 @@ bool group_scale(const float* v, uint16_t& d16, int8_t* q) {
   if (!std::isfinite(amax)) return false;
   if (amax == 0.f) {  // zeros dequantise to +0 (d = 0)
     for (int i = 0; i < kQGroup; ++i)
-      if (bits(v[i]) != 0) return false;
+      if (float_bits(v[i]) != 0) return false;
     d16 = 0;
     std::memset(q, 0, kQGroup);
     return true;
@@ -54,7 +49,7 @@ bool group_scale(const float* v, uint16_t& d16, int8_t* q) {
     bool ok = true;
     for (int i = 0; i < kQGroup && ok; ++i) {
       const float c = std::nearbyint(v[i] / d);
-      ok = c >= -128.f && c <= 127.f && bits(c * d) == bits(v[i]);
+      ok = c >= -128.f && c <= 127.f && float_bits(c * d) == float_bits(v[i]);
       q[i] = static_cast<int8_t>(c);
     }
     if (ok) {
@@ -67,33 +62,12 @@ bool group_scale(const float* v, uint16_t& d16, int8_t* q) {
 
 // W [N, K] fp32 -> [ceil(N/16), K/32, 544] uint8, or an empty tensor when W is not exactly an 8-bit grid.
 at::Tensor pack_panels_q8(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
-              "pack_panels_q8: an fp32 CPU matrix only");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  if (K % kQGroup || N == 0) return at::empty({0}, wc.options().dtype(at::kByte));
-  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kQGroup;
-  at::Tensor out = at::empty({P, G, kQ8GroupBytes}, wc.options().dtype(at::kByte));
-  const float* src = wc.data_ptr<float>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  return gpuserv_panels::pack_codes(w, kQ8GroupBytes, "pack_panels_q8", [](const float* v, uint8_t* blk, int64_t j) {
     int8_t q[kQGroup];
-    for (int64_t p = p0; p < p1 && exact.load(std::memory_order_relaxed); ++p)
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* blk = dst + (p * G + g) * kQ8GroupBytes;
-        std::memset(blk, 0, kQ8GroupBytes);  // padded columns: 0 * 0
-        auto* d16 = reinterpret_cast<uint16_t*>(blk);
-        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
-          if (!group_scale(src + (p * kPanel + j) * K + g * kQGroup, d16[j], q)) {
-            exact.store(false, std::memory_order_relaxed);
-            return;
-          }
-          for (int64_t kk = 0; kk < kQGroup; ++kk) blk[32 + kPanel * kk + j] = static_cast<uint8_t>(q[kk]);
-        }
-      }
+    if (!group_scale(v, reinterpret_cast<uint16_t*>(blk)[j], q)) return false;
+    for (int64_t kk = 0; kk < kQGroup; ++kk) blk[32 + kPanel * kk + j] = static_cast<uint8_t>(q[kk]);
+    return true;
   });
-  return exact.load() ? out : at::empty({0}, wc.options().dtype(at::kByte));
 }
 
 }  // namespace
@@ -110,10 +84,6 @@ struct Q8 {
   // its size.
   static constexpr int64_t kNarrowRowsMax = 8;
 #if GPUSERV_AVX2
-  static inline __attribute__((always_inline)) void params(const uint8_t* blk, float (*p)[8]) {
-    for (int h = 0; h < kParams; ++h)
-      _mm256_store_ps(p[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h))));
-  }
   // Each half of a step's 16 codes sign-extended to 8 lanes straight from memory, converted, and multiplied
   // by its scale (exact, as the dequantisation's own product). One 16-byte load and a byte shift for the
   // high half instead ran 1.3-1.5x slower at 1-4 rows (a standalone loop over 64 panels in L2, 1 thread):
