@@ -1,7 +1,8 @@
 // The matmul on column panels of quantisation codes (q4_panels.cpp: 4-bit codes with a scale and an offset,
 // q8_panels.cpp: 8-bit codes with a scale), over the fp32 tiles of packed_tiles.h. Each weight is expanded
 // back to the exact fp32 value it stands for before the same FMAs, in the same order, as on fp32 panels,
-// so the results are bit for bit those of fp32 panels of the dense weight.
+// so the results are bit for bit those of fp32 panels of the dense weight. pack_codes is the loop both
+// formats' grid searches run in at load.
 //
 // A format Fmt says how its panels are laid out and expanded:
 //   kGroupBytes            bytes of one panel's group of kQGroup k positions;
