@@ -46,7 +46,7 @@ class ServerConfig:
     max_queued_per_tenant: int = 128  # the same per tenant (tenants.yaml may set its own)
     max_n: int = 16  # choices one request may ask for (n, best_of); each is an engine request; more -> 400
     drain_timeout: float = 30.0  # seconds a drain waits for in-flight requests before aborting them
-    admission_window_ms: float = 5.0  # an idle engine waits up to this for a burst's other requests (0 = off)
+    admission_window_ms: float = 50.0  # an idle engine waits up to this for a burst's other requests (0 = off)
     profiles_dir: str = ""  # "" = $GPUSERV_PROFILES, /etc/gpuserv/profiles or the source tree's profiles/
     tenants_file: str = ""  # "" = <profiles_dir>/tenants.yaml
     log_level: str = "info"  # debug | info | warning | error
