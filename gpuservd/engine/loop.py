@@ -379,17 +379,12 @@ class EngineLoop:
             beat_at = time.monotonic() + IDLE_TICK_S
 
     def _gather(self) -> None:
-        """Called with the condition held, the engine idle and the inbox non-empty: wait for the rest of a
-        burst, until admission_window_s has passed or no request came for a gap.
-
-        A lone request waits GATHER_GAP_S. Once a second one comes the window tolerates BURST_GAP_S
-        between arrivals: a burst of 64 streams from one client reached the daemon over ~46 ms in runs
-        of ~10, 4.5 ms apart, and a 2.5 ms gap closed the window on the first run. The step it opens
-        decides who holds the batch (shortest remaining work first, the critical lane for the longest):
-        decided on 10 of 64 requests it admitted a long one in the first step that ran through the whole
-        short phase, which an in-process run, seeing the whole burst, did not. The price is a burst's
-        first requests waiting up to the window (50 ms by default) for their first step: small beside a
-        CPU's 0.5 s prefill step; where steps take a few ms, a smaller server.admission_window_ms."""
+        """With the condition held, the engine idle and the inbox non-empty: wait for the rest of a burst,
+        until admission_window_s has passed or no request came for a gap.
+        A lone request waits GATHER_GAP_S; once a second one comes, BURST_GAP_S between arrivals (64
+        streams of one client reached the daemon over ~46 ms, in runs 4.5 ms apart). The step it opens
+        decides who holds the batch: chosen from 10 of 64 it once admitted a long request that held a
+        slot through the whole short phase (README: "A burst reaches the engine")."""
         deadline = time.monotonic() + self.admission_window_s
         gap = GATHER_GAP_S
         while not self._stopping:
