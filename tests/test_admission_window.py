@@ -22,13 +22,11 @@ class ScriptedArrivals:
         self.loop = loop
         self.now = 0.0
         self.pending = sorted(arrivals)
-        self.waits: list[float] = []
 
     def monotonic(self) -> float:
         return self.now
 
     def wait(self, timeout: float) -> bool:
-        self.waits.append(timeout)
         if self.pending and self.pending[0] <= self.now + timeout:
             self.now = max(self.now, self.pending.pop(0))
             self.loop._inbox.append(("submit", None))

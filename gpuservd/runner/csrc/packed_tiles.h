@@ -79,7 +79,6 @@ inline __attribute__((always_inline)) void rank1(const float* x, int64_t ldx, co
 }
 
 // MR rows of x (row stride ldx, from column k0) against one panel slice w [kc][16].
-
 template <int MR, typename T>
 inline void micro(const float* __restrict x, int64_t ldx, const T* __restrict w, int64_t kc, const Out& o,
                   Pf pf) {
