@@ -100,6 +100,7 @@ def test_run_server_measures_a_server_process(tmp_path):
     assert e["target"] == "http" and str(STUB) in e["command"] and e["ready_s"] is not None
     # A Python process holds tens of MiB resident; the sampler read the server's tree, not nothing.
     assert e["peak_rss_bytes"] > 5 * 2**20 and e["rss_samples"] >= 2 and e["server_cpu_s"] >= 0
+    assert 0 <= e["front_cpu_s"] <= e["server_cpu_s"] + 0.02  # the stub is one process: its front is all of it
     assert e["client_cpu_ms_per_token"] > 0  # parsing the streams took this process some CPU
 
 
@@ -132,7 +133,7 @@ def _timed_run(name: str, scale: float, exact: bool = True) -> SystemRun:
     timings = [RequestTiming(r.request_id, r.cls, 0.0, 0.1 * scale, scale * (1 + i), 4, r.output_tokens)
                for i, r in enumerate(requests())]
     extra = {"target": "http", "peak_rss_mib": 100.0 * scale, "peak_rss_bytes": int(100 * scale * 2**20),
-             "server_cpu_ms_per_token": 2.0, "client_cpu_ms_per_token": 0.05, "version": f"{name} 1", "command": f"{name} --serve",
+             "server_cpu_ms_per_token": 2.0, "front_cpu_ms_per_token": 0.3, "client_cpu_ms_per_token": 0.05, "version": f"{name} 1", "command": f"{name} --serve",
              "token_check": {"ok": exact, "expected": 28, "counted": 28 if exact else 20, "num_wrong_length": 0 if exact else 2,
                              "num_failed": 0}}
     return SystemRun(name, 4 * scale, timings, extra if name != "gpuserv" else {})
@@ -153,9 +154,11 @@ def test_report_shows_http_targets_ratios_skips_and_short_streams(tmp_path):
     assert "- hf_vapour: SKIPPED: install failed: no wheel" in md
     assert "WARNING vllm_cpu: outputs not exactly the lengths asked" in md
     assert "WARNING llama_server" not in md
-    assert "| llama_server | 3.5 |" in md and "| 200 | 2.00 | llama_server 1 |" in md
+    assert "| llama_server | 3.5 |" in md and "| 200 | 2.00 | 0.300 | llama_server 1 |" in md
     assert "- gpuserv[http] / gpuserv in-process: 0.800x tok/s; the bench's client took 0.050 ms" in md
     assert saved["http_inprocess"]["http_client_cpu_ms_per_token"] == 0.05
+    assert "the daemon's own process (its serving path, without an engine worker) 0.300 ms" in md
+    assert saved["http_inprocess"]["http_daemon_cpu_ms_per_token"] == 0.3
     assert "- llama_server: `llama_server --serve`" in md
 
 

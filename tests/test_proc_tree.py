@@ -52,6 +52,37 @@ def test_a_process_that_is_gone_is_its_tree_alone():
     assert proc_tree.tree_pids(p.pid) == [p.pid]  # its CPU and RSS read as 0, as under the scan
 
 
+# A root that only waits, and a child that burns 0.3 s of its own CPU and then sleeps (alive at stop, so its
+# CPU is still read): a server whose front process hands the work to an engine worker.
+FRONT_AND_WORKER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import time\\nwhile time.process_time() < 0.3: pass\\nprint('done', flush=True)\\ntime.sleep(60)"],
+    stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_front_process_share_is_kept_apart():
+    p = subprocess.Popen([sys.executable, "-c", FRONT_AND_WORKER], stdout=subprocess.PIPE, text=True)
+    try:
+        sampler = proc_tree.TreeSampler(p.pid, interval_s=0.05).start()
+        assert p.stdout.readline().strip() == "done"  # the child has burnt its 0.3 s
+        sampler.stop()
+        s = sampler.summary(tokens=100)
+        assert s["server_cpu_s"] >= 0.25  # the child's CPU counts for the server ...
+        assert s["front_cpu_s"] < s["server_cpu_s"] - 0.2  # ... and not for its front process
+        assert s["front_cpu_ms_per_token"] == pytest.approx(1000 * s["front_cpu_s"] / 100, abs=1e-3)
+    finally:
+        for pid in reversed(proc_tree._tree_pids_by_scan(p.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+
 # -- a bench killed with SIGTERM stops the server it started ------------------------------------------
 BENCH = """
 import socket, sys, time

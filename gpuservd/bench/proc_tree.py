@@ -6,7 +6,9 @@ Resident set sizes are added up as the kernel reports them: pages shared
 between the processes count once per process, which overstates a multi-process
 server a little (the report says "RSS of the process tree"). CPU seconds are the
 tree's utime + stime; the difference between `start()` and `stop()` is what the
-server spent on the run.
+server spent on the run. The root process's own share is kept apart (`front_cpu_*`): for gpuserv with
+its engine in a worker process, the daemon's serving path (HTTP, SSE framing, admission) without the
+engine's math; for vLLM its API server without the engine core.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class TreeSampler:
         self.peak_rss = 0
         self.samples = 0
         self.cpu_s = 0.0  # tree CPU seconds between start() and stop()
-        self._cpu0 = 0.0
+        self.front_cpu_s = 0.0  # the root process's own share of them
+        self._cpu0 = self._front0 = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
 
@@ -123,6 +126,7 @@ class TreeSampler:
 
     def start(self) -> "TreeSampler":
         self._cpu0 = cpu_seconds(self._sample())
+        self._front0 = cpu_seconds([self.root])
         self._thread.start()
         return self
 
@@ -130,9 +134,12 @@ class TreeSampler:
         self._stop.set()
         self._thread.join()
         self.cpu_s = cpu_seconds(self._sample()) - self._cpu0
+        self.front_cpu_s = cpu_seconds([self.root]) - self._front0
         return self
 
     def summary(self, tokens: int) -> dict:
         return {"peak_rss_bytes": self.peak_rss, "peak_rss_mib": round(self.peak_rss / 2**20, 1),
                 "rss_samples": self.samples, "server_cpu_s": round(self.cpu_s, 3),
-                "server_cpu_ms_per_token": round(1000 * self.cpu_s / tokens, 3) if tokens else None}
+                "server_cpu_ms_per_token": round(1000 * self.cpu_s / tokens, 3) if tokens else None,
+                "front_cpu_s": round(self.front_cpu_s, 3),
+                "front_cpu_ms_per_token": round(1000 * self.front_cpu_s / tokens, 4) if tokens else None}
