@@ -14,6 +14,15 @@ import pytest
 from gpuservd.bench import proc_tree
 
 
+def _kill_tree(p: subprocess.Popen) -> None:
+    for pid in reversed(proc_tree._tree_pids_by_scan(p.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+
+
 @pytest.fixture()
 def tree():
     """A shell with two children, one of which has a child of its own (a grandchild of the root)."""
@@ -24,12 +33,7 @@ def tree():
             time.sleep(0.05)
         yield p.pid
     finally:
-        for pid in reversed(proc_tree._tree_pids_by_scan(p.pid)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
+        _kill_tree(p)
 
 
 def test_the_walk_finds_children_and_grandchildren(tree):
@@ -75,12 +79,7 @@ def test_the_front_process_share_is_kept_apart():
         assert s["front_cpu_s"] < s["server_cpu_s"] - 0.2  # ... and not for its front process
         assert s["front_cpu_ms_per_token"] == pytest.approx(1000 * s["front_cpu_s"] / 100, abs=1e-3)
     finally:
-        for pid in reversed(proc_tree._tree_pids_by_scan(p.pid)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
+        _kill_tree(p)
 
 
 # -- a bench killed with SIGTERM stops the server it started ------------------------------------------

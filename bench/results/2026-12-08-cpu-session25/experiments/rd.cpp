@@ -5,7 +5,7 @@
 #include <algorithm>
 // Pure reads of a pair-panel tensor [P, K2, 32] bf16, 2 threads split by groups of 3 panels as packed_linear does.
 // mode 0: each thread's range as one flat stream (4 accumulators); 1: the kernel's order (3 panels side by side per
-// pair step, one accumulator per panel); 2: as 1 with 4-way unrolled kk and 3x4 accumulators.
+// pair step, one accumulator per panel).
 double rd(const at::Tensor& packed, int64_t mode) {
   const int64_t P = packed.size(0), K2 = packed.size(1);
   const __m512* w = reinterpret_cast<const __m512*>(packed.data_ptr());
